@@ -1,0 +1,39 @@
+"""What `qwen38_plugin.register()` does inside vLLM."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+
+from qwen38_plugin import __version__
+
+SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
+
+# A child of the "vllm" logger, so vLLM's own logging configuration prints it
+# with the process name and pid of whichever vLLM process ran the plugin.
+logger = logging.getLogger("vllm.plugins.qwen38_plugin")
+
+
+def register_with_vllm() -> list[str]:
+    import vllm
+
+    series = ".".join(vllm.__version__.split(".")[:2])
+    if series not in SUPPORTED_VLLM_SERIES:
+        raise RuntimeError(
+            f"qwen38_plugin {__version__} supports vLLM {' and '.join(SUPPORTED_VLLM_SERIES)}, "
+            f"found vLLM {vllm.__version__}: install a supported vLLM or remove qwen38_plugin "
+            f"from VLLM_PLUGINS."
+        )
+    from qwen38_plugin.configs import register_alias_configs
+
+    registered = [f"transformers config {name}" for name in register_alias_configs()]
+
+    logger.info(
+        "qwen38_plugin %s registered in process %s (pid %d): %s",
+        __version__,
+        multiprocessing.current_process().name,
+        os.getpid(),
+        ", ".join(registered) or "nothing yet",
+    )
+    return registered

@@ -1,0 +1,33 @@
+"""The `qwen3_8_flash_next` spelling of Qwen4Exp configs.
+
+Renamed Qwen3.8 Flash-Next checkpoints declare `qwen3_8_flash_next` (multimodal)
+or `qwen3_8_flash_next_text` (text only). They carry exactly the fields of
+transformers' `qwen4_exp` / `qwen4_exp_text` configs, so the alias classes only
+change `model_type`; everything else, validation included, is inherited.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, Qwen4ExpConfig, Qwen4ExpTextConfig
+
+
+class Qwen3_8FlashNextTextConfig(Qwen4ExpTextConfig):
+    model_type = "qwen3_8_flash_next_text"
+
+
+class Qwen3_8FlashNextConfig(Qwen4ExpConfig):
+    model_type = "qwen3_8_flash_next"
+    sub_configs = {**Qwen4ExpConfig.sub_configs, "text_config": Qwen3_8FlashNextTextConfig}
+
+
+ALIAS_CONFIGS: dict[str, type] = {
+    Qwen3_8FlashNextTextConfig.model_type: Qwen3_8FlashNextTextConfig,
+    Qwen3_8FlashNextConfig.model_type: Qwen3_8FlashNextConfig,
+}
+
+
+def register_alias_configs() -> list[str]:
+    """Make transformers' AutoConfig resolve the alias model types."""
+    for model_type, config_cls in ALIAS_CONFIGS.items():
+        AutoConfig.register(model_type, config_cls, exist_ok=True)
+    return list(ALIAS_CONFIGS)
