@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import sys
 
 from csf_loader import __version__
 
@@ -13,6 +14,15 @@ SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
 # A child of the "vllm" logger, so vLLM's own logging configuration prints it
 # with the process name and pid of whichever vLLM process ran the plugin.
 logger = logging.getLogger("vllm.plugins.csf_loader")
+
+
+def _announce(message: str) -> None:
+    # The API server loads plugins while it builds its argument parser, before vLLM has
+    # configured logging; an INFO record would be dropped there, so print it instead.
+    if logging.getLogger("vllm").handlers:
+        logger.info(message)
+    else:
+        print(f"INFO [csf_loader] {message}", file=sys.stderr, flush=True)
 
 
 def register_with_vllm() -> list[str]:
@@ -29,11 +39,8 @@ def register_with_vllm() -> list[str]:
     # loads and registers nothing.
     registered: list[str] = []
 
-    logger.info(
-        "csf_loader %s registered in process %s (pid %d): %s",
-        __version__,
-        multiprocessing.current_process().name,
-        os.getpid(),
-        ", ".join(registered) or "nothing yet",
+    _announce(
+        f"csf_loader {__version__} registered in process {multiprocessing.current_process().name} "
+        f"(pid {os.getpid()}): {', '.join(registered) or 'nothing yet'}"
     )
     return registered

@@ -8,6 +8,8 @@ change `model_type`; everything else, validation included, is inherited.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from transformers import AutoConfig, Qwen4ExpConfig, Qwen4ExpTextConfig
 
 
@@ -17,7 +19,7 @@ class Qwen3_8FlashNextTextConfig(Qwen4ExpTextConfig):
 
 class Qwen3_8FlashNextConfig(Qwen4ExpConfig):
     model_type = "qwen3_8_flash_next"
-    sub_configs = {**Qwen4ExpConfig.sub_configs, "text_config": Qwen3_8FlashNextTextConfig}
+    sub_configs: ClassVar[dict[str, type]] = {**Qwen4ExpConfig.sub_configs, "text_config": Qwen3_8FlashNextTextConfig}
 
 
 ALIAS_CONFIGS: dict[str, type] = {
@@ -31,3 +33,23 @@ def register_alias_configs() -> list[str]:
     for model_type, config_cls in ALIAS_CONFIGS.items():
         AutoConfig.register(model_type, config_cls, exist_ok=True)
     return list(ALIAS_CONFIGS)
+
+
+def register_transformers_model_aliases() -> None:
+    """Let transformers save and load alias checkpoints exactly like `qwen4_exp` ones.
+
+    transformers renames checkpoint tensors (per-expert weights to fused ones and back)
+    through conversion mappings keyed by model type; without these entries an alias
+    checkpoint would be written with different tensor names. Not part of `register()`:
+    vLLM loads weights itself, and building the mapping table costs most of a second.
+    """
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    register_alias_configs()
+    for alias, official in (("qwen3_8_flash_next_text", "qwen4_exp_text"), ("qwen3_8_flash_next", "qwen4_exp")):
+        mapping = get_checkpoint_conversion_mapping(official)
+        if mapping is not None:
+            register_checkpoint_conversion_mapping(alias, mapping, overwrite=True)
