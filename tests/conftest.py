@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny checkpoints (built once per content) and stock vLLM servers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+
+from qwen38_plugin.tiny import checkpoints as tiny_checkpoints
+from tools.vllm_server import VllmServer
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "tests"
+
+
+def _builder_digest() -> str:
+    # A cached checkpoint is reused only while the builder's code is unchanged.
+    tiny_dir = Path(tiny_checkpoints.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(tiny_dir.glob("*")):
+        if path.is_file() and path.suffix in {".py", ".jinja"}:
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_cached_checkpoint(
+    model_type: str, seed: int = 0, overrides: Mapping[str, Any] | None = None, dtype: str = "bfloat16"
+) -> Path:
+    key = json.dumps([_builder_digest(), model_type, seed, dict(overrides or {}), dtype], sort_keys=True)
+    out = CACHE / "checkpoints" / f"{model_type}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if not out.exists():
+        tiny_checkpoints.build_tiny_checkpoint(out, model_type, seed=seed, overrides=overrides, dtype=dtype)
+    return out
+
+
+class CheckpointFactory(Protocol):
+    def __call__(
+        self,
+        model_type: str,
+        seed: int = 0,
+        overrides: Mapping[str, Any] | None = None,
+        dtype: str = "bfloat16",
+    ) -> Path: ...
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint() -> CheckpointFactory:
+    """`tiny_checkpoint(model_type, seed=0, overrides=None)`: path of a built tiny checkpoint."""
+    return build_cached_checkpoint
+
+
+class ServerFactory(Protocol):
+    def __call__(
+        self, model: Path | str, args: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> VllmServer: ...
+
+
+@pytest.fixture(scope="module")
+def start_server(request: pytest.FixtureRequest) -> Iterator[ServerFactory]:
+    """Start stock vLLM servers for one test module; all are stopped when the module ends.
+
+    Servers take about a minute to start on 2 cores: start one per module, not per test.
+    """
+    servers: list[VllmServer] = []
+
+    def start(model: Path | str, args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> VllmServer:
+        name = f"{request.module.__name__.rsplit('.', 1)[-1]}-{len(servers)}"
+        server = VllmServer(model, args, env=env, log_path=CACHE / "logs" / f"{name}.log")
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.stop()
