@@ -1,0 +1,62 @@
+"""Compare csf_loader.triton_decode with csf_loader.codec.decode on adversarial planes.
+
+Runs under TRITON_INTERPRET=1 on CPU (tests) and natively on CUDA (benchmarks/csf_loader).
+Prints one summary line; exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, CsfPlane, decode, encode
+from csf_loader.triton_decode import decode_triton
+
+
+def cases(codec: CsfCodec) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for rows, cols in [(16, 2), (32, 40), (48, 130), (16, 258)]:
+        if codec is MXFP4_CSF:
+            cols += 1  # column counts that are not multiples of 8
+        centre = torch.randint(0, 256, (rows, 1), generator=g)
+        noisy = (centre + torch.randint(-20, 21, (rows, cols), generator=g)).clamp(0, 255).to(torch.uint8)
+        out.append((f"random {rows}x{cols}", noisy))
+    out.append(("all equal", torch.full((32, 64), 0x38, dtype=torch.uint8)))
+    out.append(("all 255 (base at limit)", torch.full((16, 66), 255, dtype=torch.uint8)))
+    spread = torch.tensor([[(i * 2 * codec.window) % 256 for i in range(34)]] * 16, dtype=torch.uint8)
+    out.append(("nearly all exceptions", spread))
+    return out
+
+
+def main() -> int:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    checked = mismatches = 0
+    for codec in (NVFP4_CSF, MXFP4_CSF):
+        for label, scales in cases(codec):
+            rows, cols = scales.shape
+            plane = encode(scales, codec)
+            reference = decode(plane, codec, rows, cols)
+            on_device = CsfPlane(plane.fixed.to(device), plane.exceptions.to(device))
+            got = decode_triton(on_device, codec, rows, cols).cpu()
+            checked += 1
+            if not (torch.equal(got, reference) and torch.equal(reference, scales)):
+                mismatches += 1
+                print(f"MISMATCH {codec.family} {label}")
+        # A plane whose every scale is an exception, fixed stream all zero.
+        rows, cols = 16, 24
+        values = torch.arange(rows * cols, dtype=torch.int64) * 7 % 256
+        words = (torch.arange(rows * cols, dtype=torch.int64) | (values << 24)).to(torch.uint32)
+        plane = CsfPlane(torch.zeros(codec.fixed_shape(rows, cols), dtype=torch.uint8, device=device), words.to(device))
+        got = decode_triton(plane, codec, rows, cols).cpu()
+        checked += 1
+        if not torch.equal(got.reshape(-1).to(torch.int64), values):
+            mismatches += 1
+            print(f"MISMATCH {codec.family} every scale an exception")
+    print(f"device={device} cases={checked} mismatches={mismatches}")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
