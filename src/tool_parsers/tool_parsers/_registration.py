@@ -10,6 +10,9 @@ import sys
 from tool_parsers import __version__
 
 SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
+TOOL_PARSER_NAME = "qwen38_coder"
+REASONING_PARSER_NAME = "qwen38"
+PARSER_MODULE = "tool_parsers.qwen38"
 
 # A child of the "vllm" logger, so vLLM's own logging configuration prints it
 # with the process name and pid of whichever vLLM process ran the plugin.
@@ -35,9 +38,15 @@ def register_with_vllm() -> list[str]:
             f"found vLLM {vllm.__version__}: install a supported vLLM or remove tool_parsers "
             f"from VLLM_PLUGINS."
         )
-    # The qwen38 tool-call and reasoning parsers land here; until then the
-    # plugin loads and registers nothing.
-    registered: list[str] = []
+    # Lazy registrations: the parser module (and the vLLM parser engine it builds on) is
+    # imported only when a server asks for these names, so register() stays cheap in the
+    # engine core and worker processes.
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    ToolParserManager.register_lazy_module(TOOL_PARSER_NAME, PARSER_MODULE, "Qwen38CoderToolParser")
+    ReasoningParserManager.register_lazy_module(REASONING_PARSER_NAME, PARSER_MODULE, "Qwen38ReasoningParser")
+    registered = [f"tool parser {TOOL_PARSER_NAME}", f"reasoning parser {REASONING_PARSER_NAME}"]
 
     _announce(
         f"tool_parsers {__version__} registered in process {multiprocessing.current_process().name} "

@@ -1,0 +1,344 @@
+"""`qwen38` reasoning parser and `qwen38_coder` tool parser: stock's Qwen3 engine plus fixes.
+
+Built on stock vLLM's declarative Qwen3 parser engine (`vllm.parser.qwen3`), which
+already carries most of the forks' tool-calling fixes. What this module changes:
+
+* Parameter values are delimited by context, not by the first closing tag: a
+  `</function>` inside a value is text, and a `</parameter>` only closes a value
+  when whitespace and then `<parameter=` or `</function>` (or the end) follow.
+* A call left open at the end of the output (max_tokens) keeps the arguments
+  it has, in streaming and non-streaming alike, and its id is remembered so the
+  Anthropic layer can leave it out (see `tool_parsers.middleware`).
+* Calls to functions that are not among the request's tools are dropped, with a
+  warning that names them.
+* `$ref` parameters are converted by the type of the referenced schema.
+* `tool_choice="none"`: tool-call markup is returned verbatim as content, with
+  nothing held back, streaming and non-streaming.
+* A JSON answer (response_format / structured outputs JSON, no tool calling)
+  never starts with the `<tool_call>` marker that ended the reasoning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+from vllm.entrypoints.generate.base.protocol import DeltaMessage, ExtractedToolCallInformation
+from vllm.parser.engine.adapters import ParserEngineReasoningAdapter, ParserEngineToolAdapter
+from vllm.parser.engine.events import SemanticEvent
+from vllm.parser.engine.parser_engine_config import ParserEngineConfig, ParserState
+from vllm.parser.engine.streaming_parser_engine import StreamingParserEngine
+from vllm.parser.qwen3 import Qwen3Parser, qwen3_config
+
+from tool_parsers.schema_refs import resolve_tool_refs
+
+logger = logging.getLogger("vllm.plugins.tool_parsers.qwen38")
+
+TOOL_CALL_START = "<tool_call>"
+PARAM_OPEN = "<parameter="
+PARAM_CLOSE = "</parameter>"
+FUNCTION_CLOSE = "</function>"
+
+# ── Argument body → JSON ─────────────────────────────────────────────────────
+
+
+def _strip_template_newlines(value: str) -> str:
+    # The chat template writes "<parameter=x>\nVALUE\n</parameter>": one newline on each side is markup.
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
+
+
+def _closes_value(after: str, partial: bool) -> bool:
+    """Whether a `</parameter>` followed by `after` ends the value (not text inside it)."""
+    rest = after.lstrip()
+    if not rest:
+        return True
+    if rest.startswith((PARAM_OPEN, FUNCTION_CLOSE)):
+        return True
+    # While streaming, the next tag may still be arriving.
+    return partial and (PARAM_OPEN.startswith(rest) or FUNCTION_CLOSE.startswith(rest))
+
+
+def parse_parameters(body: str, partial: bool = False) -> dict[str, str]:
+    """Parameter name → raw string value from a Qwen3-coder call body.
+
+    A value that is still open at the end of `body` (streaming, or a call cut
+    short by max_tokens) keeps the text it has so far.
+    """
+    params: dict[str, str] = {}
+    pos = 0
+    while True:
+        start = body.find(PARAM_OPEN, pos)
+        if start < 0:
+            break
+        name_end = body.find(">", start + len(PARAM_OPEN))
+        if name_end < 0:
+            break  # the parameter name itself is still incomplete
+        name = body[start + len(PARAM_OPEN) : name_end].strip()
+        value_start = name_end + 1
+        search = value_start
+        value: str | None = None
+        while True:
+            close = body.find(PARAM_CLOSE, search)
+            if close < 0:
+                break
+            after = close + len(PARAM_CLOSE)
+            if _closes_value(body[after:], partial):
+                value = body[value_start:close]
+                pos = after
+                break
+            search = after
+        if value is None:
+            if name:
+                params[name] = _strip_template_newlines(body[value_start:])
+            break
+        if name:
+            params[name] = _strip_template_newlines(value)
+    return params
+
+
+def convert_arguments(body: str, partial: bool) -> str:
+    """The engine's argument converter: call body → JSON object text (always valid JSON)."""
+    return json.dumps(parse_parameters(body, partial), ensure_ascii=False)
+
+
+def qwen38_config(thinking: bool) -> ParserEngineConfig:
+    return dataclasses.replace(
+        qwen3_config(thinking=thinking, name="qwen38", turn_boundary_tokens=frozenset(("<|im_start|>", "<|im_end|>"))),
+        arg_converter=convert_arguments,
+        validate_tool_names=True,
+    )
+
+
+# ── Calls cut short, for the Anthropic layer ────────────────────────────────
+
+_TRUNCATED_CALL_IDS: OrderedDict[str, None] = OrderedDict()
+_TRUNCATED_CALL_IDS_LIMIT = 4096
+
+
+def _remember_truncated_call(call_id: str) -> None:
+    _TRUNCATED_CALL_IDS[call_id] = None
+    _TRUNCATED_CALL_IDS.move_to_end(call_id)
+    while len(_TRUNCATED_CALL_IDS) > _TRUNCATED_CALL_IDS_LIMIT:
+        _TRUNCATED_CALL_IDS.popitem(last=False)
+
+
+def is_truncated_call(call_id: str | None) -> bool:
+    """Whether this process parsed a call with this id that the output ended inside of."""
+    return call_id is not None and call_id in _TRUNCATED_CALL_IDS
+
+
+# ── Streaming engine ────────────────────────────────────────────────────────
+
+
+class _ValuePosition(Enum):
+    OUTSIDE = "outside"  # between parameters
+    INSIDE = "inside"  # inside a parameter value
+    AFTER_CLOSE = "after_close"  # just after a `</parameter>`, only whitespace since
+
+
+class Qwen38StreamingEngine(StreamingParserEngine):
+    """Stock streaming engine that knows whether it is inside a parameter value.
+
+    Inside a value, `</function>` and `<parameter=` are text. A `</parameter>`
+    followed by anything but whitespace or a new tag was text too, so the
+    engine goes back inside the value. This matches `parse_parameters`.
+    """
+
+    def reset(self, initial_state: ParserState | None = None) -> None:
+        super().reset(initial_state=initial_state)
+        self._value_position = _ValuePosition.OUTSIDE
+        self.truncated_tool_indices: list[int] = []
+
+    def _on_terminal(self, terminal: str, value: str, token_count: int = 0) -> list[SemanticEvent]:
+        if self.state is ParserState.TOOL_ARGS and not self.skip_tool_parsing:
+            inside = self._value_position is _ValuePosition.INSIDE
+            if terminal == "FUNC_END" and inside:
+                return self._emit_for_state(value, token_count)
+            if terminal == "PARAM_START":
+                if inside:
+                    return self._emit_for_state(value, token_count)
+                events = super()._on_terminal(terminal, value, token_count)
+                self._value_position = _ValuePosition.INSIDE
+                return events
+            if terminal == "PARAM_END" and inside:
+                events = super()._on_terminal(terminal, value, token_count)
+                self._value_position = _ValuePosition.AFTER_CLOSE
+                return events
+        return super()._on_terminal(terminal, value, token_count)
+
+    def _emit_for_state(self, text: str, token_count: int = 0) -> list[SemanticEvent]:
+        if self.state is ParserState.TOOL_ARGS and self._value_position is _ValuePosition.AFTER_CLOSE and text.strip():
+            self._value_position = _ValuePosition.INSIDE
+        return super()._emit_for_state(text, token_count)
+
+    def _apply_transition(self, transition: Any, value: str, token_count: int = 0) -> list[SemanticEvent]:
+        entering_args = self.state is not ParserState.TOOL_ARGS and transition.next_state is ParserState.TOOL_ARGS
+        events = super()._apply_transition(transition, value, token_count)
+        if entering_args:
+            self._value_position = _ValuePosition.OUTSIDE
+        return events
+
+    def finish(self) -> list[SemanticEvent]:
+        # A call whose `</function>` never came was cut short (max_tokens or a stop string).
+        if self.state in (ParserState.TOOL_NAME, ParserState.TOOL_ARGS) and self.tool_index >= 0:
+            self.truncated_tool_indices.append(self.tool_index)
+        return super().finish()
+
+
+# ── Parser engine ───────────────────────────────────────────────────────────
+
+
+def _wants_json_answer(request: Any) -> bool:
+    """A request whose answer must be JSON and that cannot call tools."""
+    tools = getattr(request, "tools", None)
+    if tools and getattr(request, "tool_choice", None) != "none":
+        return False
+    try:
+        extract = getattr(request, "extract_structured_outputs", None)
+        params = extract() if callable(extract) else getattr(request, "structured_outputs", None)
+    except Exception:
+        params = getattr(request, "structured_outputs", None)
+    if params is None:
+        return False
+    return bool(getattr(params, "json_object", False)) or getattr(params, "json", None) is not None
+
+
+class Qwen38Parser(Qwen3Parser):
+    """Stock Qwen3 parser engine with the fixes listed in the module docstring."""
+
+    CONFIG_NAME = "qwen38"
+
+    def __init__(self, tokenizer: Any, tools: list[Any] | None = None, **kwargs: Any) -> None:
+        chat_kwargs = kwargs.get("chat_template_kwargs", {}) or {}
+        kwargs.setdefault("parser_engine_config", qwen38_config(bool(chat_kwargs.get("enable_thinking", True))))
+        super().__init__(tokenizer, resolve_tool_refs(tools), **kwargs)
+        self._engine = Qwen38StreamingEngine(self.parser_engine_config, tokenizer, vocab=self.vocab)
+        self._request_tools: object = tools
+        self._markup_passthrough = False
+        self._json_answer = False
+        self._leading_marker_decided = False
+        self._leading_pending = ""
+        self._warned_names: set[str] = set()
+
+    # Request-dependent modes
+
+    def _check_skip_tool_parsing(self, request: Any) -> None:
+        tools = getattr(request, "tools", None)
+        super()._check_skip_tool_parsing(request)
+        if tools and tools is not self._request_tools:
+            self._request_tools = tools
+            self._tools = resolve_tool_refs(tools)
+        self._markup_passthrough = getattr(request, "tool_choice", None) == "none"
+        self._json_answer = _wants_json_answer(request)
+
+    def _accept_tool_name(self, name: str) -> bool:
+        accepted = super()._accept_tool_name(name)
+        if not accepted and name and name not in self._warned_names:
+            self._warned_names.add(name)
+            logger.warning("qwen38_coder: dropped a call to %r, which is not one of the request's tools", name)
+        return accepted
+
+    def _reset(self, initial_state: ParserState | None = None) -> None:
+        super()._reset(initial_state=initial_state)
+        self._leading_marker_decided = False
+        self._leading_pending = ""
+
+    # Leading `<tool_call>` of a JSON answer
+
+    def _drop_leading_marker(self, text: str, final: bool) -> str:
+        """Content with a leading `<tool_call>` removed when the answer must be JSON."""
+        if not self._json_answer or self._leading_marker_decided:
+            return text
+        pending = self._leading_pending + text
+        stripped = pending.lstrip()
+        if not stripped:
+            self._leading_pending = ""
+            return pending
+        lead = pending[: len(pending) - len(stripped)]
+        if stripped.startswith(TOOL_CALL_START):
+            self._leading_marker_decided = True
+            self._leading_pending = ""
+            return lead + stripped[len(TOOL_CALL_START) :]
+        if TOOL_CALL_START.startswith(stripped) and not final:
+            self._leading_pending = stripped
+            return lead
+        self._leading_marker_decided = True
+        self._leading_pending = ""
+        return pending
+
+    # Non-streaming
+
+    def extract_tool_calls_from_content(self, content: str, request: Any) -> ExtractedToolCallInformation:
+        self._check_skip_tool_parsing(request)
+        if self._markup_passthrough or self._json_answer:
+            self._reset()
+            text = self._drop_leading_marker(content, final=True)
+            return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=text or None)
+        return super().extract_tool_calls_from_content(content, request)
+
+    def _build_extracted_result(self, *deltas: DeltaMessage | None) -> ExtractedToolCallInformation:
+        result = super()._build_extracted_result(*deltas)
+        self._remember_truncated_calls()
+        return result
+
+    # Streaming
+
+    def extract_tool_calls_streaming(
+        self,
+        previous_text: str,
+        current_text: str,
+        delta_text: str,
+        previous_token_ids: Sequence[int],
+        current_token_ids: Sequence[int],
+        delta_token_ids: Sequence[int],
+        request: Any,
+    ) -> DeltaMessage | None:
+        self._check_skip_tool_parsing(request)
+        if self._markup_passthrough or self._json_answer:
+            self.initialize_streaming()
+            text = self._drop_leading_marker(delta_text, final=False)
+            return DeltaMessage(content=text) if text else None
+        return super().extract_tool_calls_streaming(
+            previous_text,
+            current_text,
+            delta_text,
+            previous_token_ids,
+            current_token_ids,
+            delta_token_ids,
+            request,
+        )
+
+    def finish_streaming(self) -> DeltaMessage | None:
+        if self._leading_pending:
+            text = self._drop_leading_marker("", final=True)
+            return DeltaMessage(content=text) if text else None
+        delta = super().finish_streaming()
+        self._remember_truncated_calls()
+        return delta
+
+    def _remember_truncated_calls(self) -> None:
+        for index in self._engine.truncated_tool_indices:  # type: ignore[attr-defined]
+            if index < len(self._tool_slots) and self._tool_slots[index].id:
+                _remember_truncated_call(self._tool_slots[index].id)
+
+
+class Qwen38ReasoningParser(ParserEngineReasoningAdapter):
+    """`--reasoning-parser qwen38`."""
+
+    _parser_engine_cls = Qwen38Parser
+
+
+class Qwen38CoderToolParser(ParserEngineToolAdapter):
+    """`--tool-call-parser qwen38_coder`: strict Qwen3-coder XML structural tags, as stock's qwen3_coder."""
+
+    _parser_engine_cls = Qwen38Parser
+    structural_tag_model = "qwen_3_coder"
