@@ -11,14 +11,14 @@ import sys
 import torch
 
 from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, CsfPlane, decode, encode
-from csf_loader.triton_decode import decode_triton
+from csf_loader.triton_decode import decode_triton, decode_triton_stacked
 
 
 def cases(codec: CsfCodec) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     out = []
-    for rows, cols in [(16, 2), (32, 40), (48, 130), (16, 258)]:
-        if codec is MXFP4_CSF:
+    for rows, cols in [(16, 2), (32, 40), (48, 130), (16, 258), (32, 64), (16, 160)]:
+        if codec is MXFP4_CSF and cols % 8 != 0:
             cols += 1  # column counts that are not multiples of 8
         centre = torch.randint(0, 256, (rows, 1), generator=g)
         noisy = (centre + torch.randint(-20, 21, (rows, cols), generator=g)).clamp(0, 255).to(torch.uint8)
@@ -39,11 +39,12 @@ def main() -> int:
             plane = encode(scales, codec)
             reference = decode(plane, codec, rows, cols)
             on_device = CsfPlane(plane.fixed.to(device), plane.exceptions.to(device))
-            got = decode_triton(on_device, codec, rows, cols).cpu()
-            checked += 1
-            if not (torch.equal(got, reference) and torch.equal(reference, scales)):
-                mismatches += 1
-                print(f"MISMATCH {codec.family} {label}")
+            for variant in ("bytes", "cols", "words") if cols % 8 == 0 else ("bytes", "cols", "auto"):
+                got = decode_triton(on_device, codec, rows, cols, variant=variant).cpu()
+                checked += 1
+                if not (torch.equal(got, reference) and torch.equal(reference, scales)):
+                    mismatches += 1
+                    print(f"MISMATCH {codec.family} {label} {variant}")
         # A plane whose every scale is an exception, fixed stream all zero.
         rows, cols = 16, 24
         values = torch.arange(rows * cols, dtype=torch.int64) * 7 % 256
@@ -54,6 +55,27 @@ def main() -> int:
         if not torch.equal(got.reshape(-1).to(torch.int64), values):
             mismatches += 1
             print(f"MISMATCH {codec.family} every scale an exception")
+        # Several planes ("experts") decoded in one stacked launch.
+        experts, rows, cols = 3, 32, 18
+        g = torch.Generator().manual_seed(11)
+        stack = torch.randint(60, 90, (experts, rows, cols), generator=g).to(torch.uint8)
+        encoded = [encode(stack[e], codec) for e in range(experts)]
+        counts = torch.tensor([0] + [p.exceptions.numel() for p in encoded], dtype=torch.int64)
+        out = torch.empty(experts, rows, cols, dtype=torch.uint8, device=device)
+        decode_triton_stacked(
+            torch.cat([p.fixed.reshape(-1) for p in encoded]).to(device),
+            torch.cat([p.exceptions for p in encoded]).to(device),
+            counts.cumsum(0).to(device),
+            codec,
+            experts,
+            rows,
+            cols,
+            out,
+        )
+        checked += 1
+        if not torch.equal(out.cpu(), stack):
+            mismatches += 1
+            print(f"MISMATCH {codec.family} stacked")
     print(f"device={device} cases={checked} mismatches={mismatches}")
     return 1 if mismatches else 0
 
