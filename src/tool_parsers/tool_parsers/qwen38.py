@@ -115,6 +115,10 @@ def qwen38_config(thinking: bool) -> ParserEngineConfig:
         qwen3_config(thinking=thinking, name="qwen38", turn_boundary_tokens=frozenset(("<|im_start|>", "<|im_end|>"))),
         arg_converter=convert_arguments,
         validate_tool_names=True,
+        # Streaming cannot know that trailing whitespace precedes a call until the call
+        # arrives, so it sends it; the non-streamed content keeps it too, so both agree.
+        # Whitespace-only content before a call is still dropped in both.
+        strip_content_whitespace_with_tools=False,
     )
 
 
@@ -220,10 +224,13 @@ class Qwen38Parser(Qwen3Parser):
     def __init__(self, tokenizer: Any, tools: list[Any] | None = None, **kwargs: Any) -> None:
         chat_kwargs = kwargs.get("chat_template_kwargs", {}) or {}
         kwargs.setdefault("parser_engine_config", qwen38_config(bool(chat_kwargs.get("enable_thinking", True))))
-        super().__init__(tokenizer, resolve_tool_refs(tools), **kwargs)
+        resolved = resolve_tool_refs(tools)
+        super().__init__(tokenizer, resolved, **kwargs)
+        self._resolved_tools = resolved
         self._engine = Qwen38StreamingEngine(self.parser_engine_config, tokenizer, vocab=self.vocab)
         self._request_tools: object = tools
         self._markup_passthrough = False
+        self._call_forced = False
         self._json_answer = False
         self._leading_marker_decided = False
         self._leading_pending = ""
@@ -232,12 +239,17 @@ class Qwen38Parser(Qwen3Parser):
     # Request-dependent modes
 
     def _check_skip_tool_parsing(self, request: Any) -> None:
-        tools = getattr(request, "tools", None)
         super()._check_skip_tool_parsing(request)
+        # The base class stores the request's tools as they are; keep the resolved copy.
+        tools = getattr(request, "tools", None)
         if tools and tools is not self._request_tools:
             self._request_tools = tools
-            self._tools = resolve_tool_refs(tools)
-        self._markup_passthrough = getattr(request, "tool_choice", None) == "none"
+            self._resolved_tools = resolve_tool_refs(tools)
+        if tools:
+            self._tools = self._resolved_tools
+        tool_choice = getattr(request, "tool_choice", None)
+        self._markup_passthrough = tool_choice == "none"
+        self._call_forced = tool_choice == "required" or (tool_choice is not None and not isinstance(tool_choice, str))
         self._json_answer = _wants_json_answer(request)
 
     def _accept_tool_name(self, name: str) -> bool:
@@ -285,6 +297,19 @@ class Qwen38Parser(Qwen3Parser):
             return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=text or None)
         return super().extract_tool_calls_from_content(content, request)
 
+    def _single_pass_parse(
+        self, text: str, token_ids: Sequence[int], initial_state: ParserState | None = None
+    ) -> tuple[str | None, str | None, ExtractedToolCallInformation]:
+        reasoning, content, info = super()._single_pass_parse(text, token_ids, initial_state)
+        # Text the engine deferred behind a tool call (e.g. the newline between two calls after
+        # earlier prose) is sent by the streaming path when the stream finishes; without this
+        # the non-streamed content would silently lose it.
+        if self._deferred_content:
+            tail = self._events_to_delta([], finished=True)
+            if tail is not None and tail.content:
+                content = (content or "") + tail.content
+        return reasoning, content, info
+
     def _build_extracted_result(self, *deltas: DeltaMessage | None) -> ExtractedToolCallInformation:
         result = super()._build_extracted_result(*deltas)
         self._remember_truncated_calls()
@@ -322,6 +347,22 @@ class Qwen38Parser(Qwen3Parser):
             text = self._drop_leading_marker("", final=True)
             return DeltaMessage(content=text) if text else None
         delta = super().finish_streaming()
+        # Stock keeps text deferred behind a call when the final delta also carries tool
+        # deltas, and nothing sends it afterwards; send it now, as non-streaming keeps it.
+        if self._deferred_content:
+            tail = self._events_to_delta([], finished=True)
+            if tail is not None and tail.content:
+                if delta is None:
+                    delta = tail
+                else:
+                    delta.content = (delta.content or "") + tail.content
+        # For required / named calls, vLLM's non-streaming path drops content that is only
+        # whitespace; such content is still deferred here, so drop it the same way.
+        forced_blank = self._call_forced and not self._content_has_nonws
+        if forced_blank and delta is not None and delta.content and not delta.content.strip():
+            delta.content = None
+            if not delta.tool_calls and not delta.reasoning:
+                delta = None
         self._remember_truncated_calls()
         return delta
 

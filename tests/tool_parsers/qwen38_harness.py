@@ -1,0 +1,169 @@
+"""Drive the qwen38 parsers the way stock vLLM's chat serving does, without an engine.
+
+One `Parser` per request built by stock `ParserManager` from the registered names
+(`--tool-call-parser qwen38_coder --reasoning-parser qwen38`), `adjust_request`
+on a separate instance (as the renderer does), then either `parse` on the whole
+output or `parse_delta` on successive token chunks with their decoded text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.parser import ParserManager
+
+import tool_parsers
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather forecast",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Write a file",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["path", "content"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "set_limits",
+            "description": "Parameters typed through $ref",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "count": {"$ref": "#/$defs/Count"},
+                    "ratio": {"$ref": "#/definitions/Ratio"},
+                    "flags": {"$ref": "#/$defs/Flags"},
+                },
+                "$defs": {
+                    "Count": {"type": "integer"},
+                    "Flags": {"type": "object", "properties": {"strict": {"type": "boolean"}}},
+                },
+                "definitions": {"Ratio": {"type": "number"}},
+            },
+        },
+    },
+]
+
+
+def render_call(name: str, arguments: dict[str, str]) -> str:
+    """A call in the Qwen3-coder XML format, as the chat template renders it."""
+    params = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+@dataclass
+class Parsed:
+    reasoning: str | None
+    content: str | None
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    def arguments(self, index: int) -> Any:
+        return json.loads(self.calls[index][1])
+
+
+class Qwen38Harness:
+    def __init__(self, tokenizer: Any) -> None:
+        tool_parsers.register()
+        self.tokenizer = tokenizer
+        self.parser_cls = ParserManager.get_parser(
+            tool_parser_name="qwen38_coder",
+            reasoning_parser_name="qwen38",
+            enable_auto_tools=True,
+            tokenizer=tokenizer,
+        )
+        assert self.parser_cls is not None
+
+    def request(self, **fields: Any) -> ChatCompletionRequest:
+        body: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+        body.update(fields)
+        return ChatCompletionRequest(**body)
+
+    def _new_parser(self, request: ChatCompletionRequest, thinking: bool) -> tuple[Any, ChatCompletionRequest]:
+        kwargs = {"chat_template_kwargs": {"enable_thinking": thinking}}
+        adjusted = self.parser_cls(self.tokenizer, request.tools, **kwargs).adjust_request(request)
+        return self.parser_cls(self.tokenizer, adjusted.tools, **kwargs), adjusted
+
+    def prompt_ids(self, thinking: bool) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}],
+            tools=TOOLS,
+            add_generation_prompt=True,
+            tokenize=True,
+            enable_thinking=thinking,
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    def parse_full(self, ids: Sequence[int], request_fields: dict[str, Any], thinking: bool) -> Parsed:
+        parser, request = self._new_parser(self.request(**request_fields), thinking)
+        reasoning, content, calls = parser.parse(
+            self.decode(ids), request, enable_auto_tools=True, model_output_token_ids=list(ids)
+        )
+        return Parsed(reasoning, content, [(call.name, call.arguments) for call in calls or []])
+
+    def parse_stream(
+        self, ids: Sequence[int], cuts: Sequence[int], request_fields: dict[str, Any], thinking: bool
+    ) -> Parsed:
+        """Feed `ids` in chunks that end at the sorted positions `cuts` (plus the end)."""
+        parser, request = self._new_parser(self.request(**request_fields), thinking)
+        prompt = self.prompt_ids(thinking)
+        bounds = sorted({c for c in cuts if 0 < c < len(ids)} | {len(ids)})
+        reasoning: list[str] = []
+        content: list[str] = []
+        calls: dict[int, list[str]] = {}
+        start = 0
+        previous_text = ""
+        for end in bounds:
+            text = self.decode(ids[:end])
+            # Incremental detokenization: the text this chunk adds.
+            delta_text = text[len(previous_text) :] if text.startswith(previous_text) else self.decode(ids[start:end])
+            previous_text = text
+            delta = parser.parse_delta(
+                delta_text, list(ids[start:end]), request, prompt_token_ids=prompt, finished=end == len(ids)
+            )
+            start = end
+            if delta is None:
+                continue
+            if delta.reasoning:
+                reasoning.append(delta.reasoning)
+            if delta.content:
+                content.append(delta.content)
+            for call in delta.tool_calls or []:
+                slot = calls.setdefault(call.index, ["", ""])
+                if call.function is not None and call.function.name:
+                    slot[0] += call.function.name
+                if call.function is not None and call.function.arguments:
+                    slot[1] += call.function.arguments
+        return Parsed(
+            "".join(reasoning) or None,
+            "".join(content) or None,
+            [(name, args) for _, (name, args) in sorted(calls.items())],
+        )

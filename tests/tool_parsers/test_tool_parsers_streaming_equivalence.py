@@ -1,0 +1,138 @@
+"""Property: for any output and any chunking, the joined stream equals the non-streamed parse.
+
+Outputs are built from known calls, so complete calls are also checked against the
+arguments they were rendered from (not against what the parser returns elsewhere).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from qwen38_harness import Parsed, Qwen38Harness, render_call
+
+# Pieces of string values, including the text that used to cut values short.
+FRAGMENTS = [
+    "Paris",
+    "a",
+    " ",
+    "<",
+    ">",
+    "a < b",
+    "</function>",
+    "</parameter>x",
+    "<parameter=",
+    "</tool_call",
+    '{"k": [1, 2]}',
+    '"',
+    "\\",
+    "\n",
+    "日本語",
+    "😀",
+    "def f():\n    return 1",
+]
+
+string_values = (
+    st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=5)
+    .map("".join)
+    .filter(lambda v: not v.startswith("\n") and not v.endswith("\n"))
+)
+
+
+@st.composite
+def calls(draw: st.DrawFn) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """(function name, rendered parameter texts, the arguments the parser must return)."""
+    kind = draw(st.sampled_from(["get_weather", "write_file", "set_limits"]))
+    if kind == "get_weather":
+        city = draw(string_values)
+        days = draw(st.integers(min_value=0, max_value=10**6))
+        return kind, {"city": city, "days": str(days)}, {"city": city, "days": days}
+    if kind == "write_file":
+        path, content = draw(string_values), draw(string_values)
+        return kind, {"path": path, "content": content}, {"path": path, "content": content}
+    count = draw(st.integers(min_value=-5, max_value=500))
+    strict = draw(st.booleans())
+    rendered = {"count": str(count), "ratio": "0.25", "flags": f'{{"strict": {str(strict).lower()}}}'}
+    return kind, rendered, {"count": count, "ratio": 0.25, "flags": {"strict": strict}}
+
+
+@st.composite
+def outputs(draw: st.DrawFn) -> dict[str, Any]:
+    thinking = draw(st.booleans())
+    made_calls = draw(st.lists(calls(), max_size=3))
+    reasoning = draw(st.sampled_from(["Let me think.", "Check <the> weather", "x"]))
+    preamble = draw(st.sampled_from(["", "Sure.", "Let me check.\n\n"]))
+    implicit_end = thinking and bool(made_calls) and not preamble and draw(st.booleans())
+    body = preamble + "\n".join(render_call(name, rendered) for name, rendered, _ in made_calls)
+    if not thinking:
+        text = body
+        expected_reasoning = None
+    elif implicit_end:
+        text = reasoning + body  # <tool_call> ends the reasoning without </think>
+        expected_reasoning = reasoning
+    else:
+        text = reasoning + "\n</think>\n\n" + body
+        expected_reasoning = reasoning + "\n"
+    return {
+        "thinking": thinking,
+        "text": text,
+        "calls": made_calls,
+        "reasoning": expected_reasoning,
+        "tool_choice": draw(st.sampled_from(["auto", "required", "none"])),
+    }
+
+
+def _normalized(parsed: Parsed) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    return parsed.reasoning or None, parsed.content or None, parsed.calls
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=outputs(), data=st.data())
+def test_stream_joins_to_full_parse(harness: Qwen38Harness, case: dict[str, Any], data: st.DataObject) -> None:
+    ids = harness.encode(case["text"])
+    truncate = data.draw(st.booleans(), label="truncate")
+    if truncate and len(ids) > 1:
+        ids = ids[: data.draw(st.integers(min_value=1, max_value=len(ids) - 1), label="max_tokens")]
+    cuts = data.draw(st.lists(st.integers(min_value=1, max_value=max(1, len(ids) - 1)), max_size=12), label="cuts")
+    fields = {"tool_choice": case["tool_choice"]}
+
+    full = harness.parse_full(ids, fields, case["thinking"])
+    streamed = harness.parse_stream(ids, cuts, fields, case["thinking"])
+    by_token = harness.parse_stream(ids, range(1, len(ids)), fields, case["thinking"])
+    assert _normalized(streamed) == _normalized(full)
+    assert _normalized(by_token) == _normalized(full)
+
+    if truncate:
+        return
+    assert full.reasoning == case["reasoning"]
+    if case["tool_choice"] == "none":
+        assert full.calls == []
+        for name, rendered, _ in case["calls"]:
+            assert render_call(name, rendered) in (full.content or "")
+    else:
+        assert [name for name, _ in full.calls] == [name for name, _, _ in case["calls"]]
+        for index, (_, _, expected) in enumerate(case["calls"]):
+            assert full.arguments(index) == expected
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_whole_parallel_calls_in_one_delta(harness: Qwen38Harness, thinking: bool) -> None:
+    """Several complete calls arriving in one chunk (large MTP/spec-decode steps) all survive."""
+    bodies = [
+        ("get_weather", {"city": "Paris", "days": "3"}),
+        ("write_file", {"path": "a.txt", "content": "x </function> y"}),
+        ("get_weather", {"city": "Rome", "days": "1"}),
+    ]
+    text = ("ok\n</think>\n\n" if thinking else "") + "\n".join(render_call(n, a) for n, a in bodies)
+    ids = harness.encode(text)
+    one_chunk = harness.parse_stream(ids, [], {"tool_choice": "auto"}, thinking)
+    assert [name for name, _ in one_chunk.calls] == ["get_weather", "write_file", "get_weather"]
+    assert one_chunk.arguments(1) == {"path": "a.txt", "content": "x </function> y"}
+    assert one_chunk.arguments(2) == {"city": "Rome", "days": 1}
+    # Two chunks, the cut inside the second call.
+    second = text.index("<function=write_file>") + 8
+    cut = len(harness.encode(text[:second]))
+    two_chunks = harness.parse_stream(ids, [cut], {"tool_choice": "auto"}, thinking)
+    assert two_chunks.calls == one_chunk.calls
