@@ -1,0 +1,13 @@
+"""Plain-torch reference ops for Qwen4Exp (Qwen3.8 Flash-Next), one module per block.
+
+Every op works on one or more sequences with explicit states, imports without vLLM and
+runs on any device in fp32, fp16 or bf16. They are the semantics the vLLM adapter calls;
+faster paths (kernels) must be tested against them.
+
+- `common`: RMSNorm (``1 + weight``, optionally per group), partial rotary embedding.
+- `gdn`: Gated DeltaNet (causal conv with state, gated delta rule chunked and recurrent).
+- `qsa`: QSA indexed attention (compressed key blocks, budget, open group, output gate).
+- `hyper_connection`: hyper-connection mixers (grouped norm, low-rank mix, injection).
+- `ple`: per-layer n-gram embeddings (hashing, gate, dilated conv, their states).
+- `moe`: top-k routed experts with a gated shared expert.
+"""

@@ -1,0 +1,174 @@
+"""Gated DeltaNet (the `linear_attention` layers): causal conv, gated delta rule, gated norm.
+
+State per sequence:
+- conv state ``[C, K - 1]``: the last K - 1 conv inputs (C = 2 * Hk * Dk + Hv * Dv channels);
+- recurrent state ``[Hv, Dk, Dv]`` in fp32.
+Both start at zero. Shapes use B sequences of T new tokens each; ``Hk``/``Hv`` are key and
+value heads (Hv is a multiple of Hk), ``Dk``/``Dv`` their head sizes.
+
+The delta rule per head, one token at a time (``recurrent`` form), is
+``S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q`` with q, k L2-normalised and
+q scaled by ``Dk ** -0.5``. The ``chunked`` form computes the same thing a chunk of tokens
+at a time through a triangular solve, which is how prefill is done.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qwen38_plugin.ops.common import causal_conv1d
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    # Heads first, fp32, q and k unit length, q scaled: [B, H, T, D] and [B, H, T].
+    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
+    q, k = _l2norm(q), _l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def gated_delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule one token at a time (used for decode).
+
+    q, k: ``[B, T, H, Dk]``; v: ``[B, T, H, Dv]``; g (log decay, <= 0), beta: ``[B, T, H]``;
+    state: ``[B, H, Dk, Dv]`` (None: zeros). q and k are L2-normalised here.
+    Returns (o ``[B, T, H, Dv]`` in v.dtype, final state ``[B, H, Dk, Dv]`` fp32).
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    batch, heads, seq_len, dk = k.shape
+    s = q.new_zeros(batch, heads, dk, v.shape[-1]) if state is None else state.float().clone()
+    outputs = []
+    for t in range(seq_len):
+        s = s * g[:, :, t, None, None].exp()
+        predicted = torch.einsum("bhkv,bhk->bhv", s, k[:, :, t])
+        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
+        s = s + k[:, :, t, :, None] * delta[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, :, t]))
+    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(batch, 0, heads, v.shape[-1])
+    return o.to(out_dtype), s
+
+
+def gated_delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule a chunk at a time (used for prefill); same contract as the recurrent form.
+
+    Within a chunk with cumulative log decay ``G_i``, the corrections ``u`` solve
+    ``(I + A) u = beta * v - beta * exp(G) k S0`` with ``A_ij = beta_i exp(G_i - G_j) k_i.k_j``
+    for j < i; then ``o_i = exp(G_i) q_i S0 + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j`` and
+    ``S = exp(G_last) S0 + sum_j exp(G_last - G_j) k_j u_j^T``.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    batch, heads, seq_len, dk = k.shape
+    dv = v.shape[-1]
+    s = q.new_zeros(batch, heads, dk, dv) if state is None else state.float().clone()
+    outputs = []
+    for start in range(0, seq_len, chunk_size):
+        end = min(start + chunk_size, seq_len)
+        qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end]
+        cum = g[:, :, start:end].cumsum(-1)  # [B, H, C]
+        length = end - start
+        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        # exp(G_i - G_j) for j <= i; the upper triangle is masked before exp so it cannot overflow.
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+        strict = decay.masked_fill(torch.eye(length, dtype=torch.bool, device=q.device), 0.0)
+        system = torch.eye(length, device=q.device) + bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * strict
+        rhs_v = bc[..., None] * vc
+        rhs_s = (bc * cum.exp())[..., None] * kc
+        u = torch.linalg.solve_triangular(system, rhs_v, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, rhs_s, upper=False, unitriangular=True)
+        u = u - w @ s
+        o = (cum.exp()[..., None] * qc) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ u
+        outputs.append(o)
+        tail_decay = (cum[..., -1:] - cum).exp()  # exp(G_last - G_j)
+        s = cum[..., -1, None, None].exp() * s + (kc * tail_decay[..., None]).transpose(-1, -2) @ u
+    o_all = torch.cat(outputs, dim=2) if outputs else v.new_zeros(batch, heads, 0, dv)
+    return o_all.transpose(1, 2).to(out_dtype), s
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str = "silu"
+) -> torch.Tensor:
+    """Per-head RMSNorm then output gate: ``weight * norm(x) * act(gate)``.
+
+    x, gate: ``[..., Dv]``; weight: ``[Dv]`` (used as is, not ``1 + weight``). The normalised
+    value is rounded to x.dtype before the weight, the gate is applied in fp32 (reference order).
+    """
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if activation == "silu":
+        act = F.silu(gate.float())
+    elif activation == "sigmoid":
+        act = torch.sigmoid(gate.float())
+    else:
+        raise ValueError(f"gated_rms_norm: unsupported output gate activation {activation!r}; use silu or sigmoid")
+    return ((weight * normed) * act).to(x.dtype)
+
+
+def gated_delta_net(
+    mixed_qkv: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    eps: float,
+    gate_activation: str = "silu",
+    conv_state: torch.Tensor | None = None,
+    recurrent_state: torch.Tensor | None = None,
+    chunk_size: int | None = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Gated DeltaNet layer between its input and output projections.
+
+    mixed_qkv: ``[B, T, 2 * Hk * Dk + Hv * Dv]`` (q, k, v in that order); z: ``[B, T, Hv * Dv]``;
+    a, b: ``[B, T, Hv]``; conv_weight: ``[C, K]``; a_log, dt_bias: ``[Hv]``; norm_weight: ``[Dv]``.
+    States as in the module docstring (None: zeros). ``chunk_size=None`` uses the recurrent form.
+    Returns (y ``[B, T, Hv * Dv]`` for the output projection, conv state, recurrent state).
+    Works on any subset of heads (tensor-parallel shards) as long as every tensor agrees.
+    """
+    batch, seq_len, _ = mixed_qkv.shape
+    key_dim = num_k_heads * head_k_dim
+    mixed_qkv, conv_state = causal_conv1d(mixed_qkv, conv_weight, conv_state)
+    q, k, v = torch.split(mixed_qkv, [key_dim, key_dim, mixed_qkv.shape[-1] - 2 * key_dim], dim=-1)
+    q = q.reshape(batch, seq_len, num_k_heads, head_k_dim)
+    k = k.reshape(batch, seq_len, num_k_heads, head_k_dim)
+    v = v.reshape(batch, seq_len, -1, head_v_dim)
+    repeat = v.shape[2] // num_k_heads
+    if repeat > 1:
+        q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+    beta = b.sigmoid()
+    # fp32: in fp16, exp(A_log) * softplus(.) can overflow to -inf.
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    if chunk_size is None:
+        o, recurrent_state = gated_delta_rule_recurrent(q, k, v, g, beta, recurrent_state)
+    else:
+        o, recurrent_state = gated_delta_rule_chunked(q, k, v, g, beta, recurrent_state, chunk_size)
+    y = gated_rms_norm(o, z.reshape(batch, seq_len, -1, head_v_dim), norm_weight, eps, gate_activation)
+    return y.reshape(batch, seq_len, -1), conv_state, recurrent_state

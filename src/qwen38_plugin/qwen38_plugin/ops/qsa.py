@@ -1,0 +1,194 @@
+"""QSA indexed attention (the `indexed_attention` layers).
+
+A query at position p may attend to:
+- the tokens of the ``budget // ratio`` best *complete* key blocks among positions 0..p,
+  where block j holds positions ``[j * ratio, (j + 1) * ratio)`` and is complete once
+  ``(j + 1) * ratio <= p + 1``; blocks are scored by the indexer (below);
+- every token of the *open group*, the incomplete block ``[(p + 1) // ratio * ratio, p]``.
+When there are at most ``budget // ratio`` complete blocks, that is all of 0..p (dense causal).
+
+Indexer: the index projection gives ``Hi`` query heads and one key per token (the raw key,
+which is what a cache keeps). A block's key is the fp32 mean of its raw keys, rounded to the
+model dtype, RMS-normalised and rotated at the block's first position; a block's score for a
+query is ``sum_h relu(q_h . key_block) / sqrt(Di)`` in fp32.
+
+The attention itself is Qwen's gated attention: per-head RMSNorm on q and k, partial RoPE,
+softmax attention restricted to the selected tokens, then ``* sigmoid(gate)`` per feature.
+Positions are absolute token positions within the sequence (text-only: 0, 1, 2, ...).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qwen38_plugin.ops.common import apply_partial_rope, rms_norm, rotary_cos_sin
+
+
+def split_index_projection(
+    index_qk: torch.Tensor, num_index_heads: int, index_head_dim: int
+) -> tuple[torch.Tensor, ...]:
+    """index_qk ``[T, (Hi + 1) * Di]`` -> (queries ``[T, Hi, Di]``, raw keys ``[T, Di]``)."""
+    q, key = torch.split(index_qk, [num_index_heads * index_head_dim, index_head_dim], dim=-1)
+    return q.unflatten(-1, (num_index_heads, index_head_dim)), key
+
+
+def block_keys(
+    raw_keys: torch.Tensor,
+    num_blocks: int,
+    ratio: int,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    rope_theta: float,
+    rotary_dim: int,
+) -> torch.Tensor:
+    """Keys ``[num_blocks, Di]`` of the first ``num_blocks`` blocks of raw_keys ``[N, Di]``."""
+    groups = raw_keys[: num_blocks * ratio].unflatten(0, (num_blocks, ratio))
+    pooled = groups.float().mean(dim=1).to(raw_keys.dtype)
+    pooled = rms_norm(pooled, k_norm_weight, eps)
+    starts = torch.arange(num_blocks, device=raw_keys.device) * ratio
+    cos, sin = rotary_cos_sin(starts, rotary_dim, rope_theta, raw_keys.dtype)
+    return apply_partial_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def select_tokens(
+    index_q: torch.Tensor,
+    raw_keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    *,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    rope_theta: float,
+    rotary_dim: int,
+    budget: int,
+    ratio: int,
+) -> torch.Tensor:
+    """The QSA token mask of one sequence.
+
+    index_q: ``[T, Hi, Di]`` raw index queries of the new tokens; raw_keys: ``[N, Di]`` raw
+    index keys of positions 0..N-1 (the new tokens included); query_positions: ``[T]``.
+    Returns a bool mask ``[T, N]``: True where the query attends to the key position.
+    """
+    num_queries, _, head_dim = index_q.shape
+    num_keys = raw_keys.shape[0]
+    cos, sin = rotary_cos_sin(query_positions, rotary_dim, rope_theta, index_q.dtype)
+    q = apply_partial_rope(rms_norm(index_q, q_norm_weight, eps), cos, sin).float()
+    max_blocks = (int(query_positions.max()) + 1) // ratio if num_queries else 0
+    keys = block_keys(raw_keys, max_blocks, ratio, k_norm_weight, eps, rope_theta, rotary_dim).float()
+    block_topk = budget // ratio
+    key_positions = torch.arange(num_keys, device=raw_keys.device)
+    mask = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)  # causal
+    for i in range(num_queries):
+        position = int(query_positions[i])
+        complete = (position + 1) // ratio
+        if complete <= block_topk:
+            continue  # every visible token is selected
+        scores = torch.relu(keys[:complete] @ q[i].transpose(0, 1)).sum(-1) / math.sqrt(head_dim)
+        # topk over exactly the complete blocks, in block order: equal scores (relu zeros) then
+        # resolve the way the reference resolves them.
+        chosen = scores.topk(block_topk, dim=0).indices
+        allowed = torch.zeros(num_keys, dtype=torch.bool, device=raw_keys.device)
+        allowed[complete * ratio : position + 1] = True  # the open group
+        allowed[(chosen.unsqueeze(1) * ratio + torch.arange(ratio, device=chosen.device)).flatten()] = True
+        mask[i] &= allowed
+    return mask
+
+
+def gated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Masked softmax attention with a sigmoid output gate, for one sequence.
+
+    q: ``[T, Hq, D]``; k, v: ``[N, Hkv, D]`` (Hq a multiple of Hkv; query head h reads kv head
+    ``h // (Hq / Hkv)``); gate: ``[T, Hq * D]``; mask: ``[T, N]`` bool. Scores and softmax in
+    fp32. Returns ``[T, Hq * D]`` in q.dtype.
+    """
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,nhd->htn", q.float(), kf) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("htn,nhd->thd", probs, vf).to(q.dtype).flatten(1)
+    return out * torch.sigmoid(gate)
+
+
+def split_gated_query(q_proj: torch.Tensor, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_proj ``[T, Hq * 2 * D]`` (per head: D query features then D gate features) ->
+    (q ``[T, Hq, D]``, gate ``[T, Hq * D]``)."""
+    per_head = q_proj.unflatten(-1, (num_heads, 2 * head_dim))
+    q, gate = per_head.split(head_dim, dim=-1)
+    return q, gate.flatten(1)
+
+
+def qsa_attention(
+    q_proj: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    index_qk: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    index_q_norm_weight: torch.Tensor | None,
+    index_k_norm_weight: torch.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_theta: float,
+    eps: float,
+    num_index_heads: int | None,
+    index_head_dim: int | None,
+    budget: int | None,
+    ratio: int | None,
+    past_k: torch.Tensor | None = None,
+    past_v: torch.Tensor | None = None,
+    past_index_keys: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One QSA attention layer of one sequence, between its projections and o_proj.
+
+    q_proj: ``[T, Hq * 2 * D]``; k_new, v_new: ``[T, Hkv * D]``; index_qk: ``[T, (Hi + 1) * Di]``
+    (ignored without an indexer, i.e. when ``budget`` is None: plain gated attention);
+    positions: ``[T]``, continuing the past. past_k/past_v ``[P, Hkv, D]`` (k normed and rotated)
+    and past_index_keys ``[P, Di]`` hold positions 0..P-1 (None: P = 0).
+    Returns (out ``[T, Hq * D]``, all k ``[P + T, Hkv, D]``, all v, all raw index keys or None).
+    """
+    q, gate = split_gated_query(q_proj, num_heads, head_dim)
+    q = rms_norm(q, q_norm_weight, eps)
+    k = rms_norm(k_new.unflatten(-1, (num_kv_heads, head_dim)), k_norm_weight, eps)
+    v = v_new.unflatten(-1, (num_kv_heads, head_dim))
+    cos, sin = rotary_cos_sin(positions, rotary_dim, rope_theta, q.dtype)
+    q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+    if past_k is not None and past_v is not None:
+        k, v = torch.cat([past_k, k]), torch.cat([past_v, v])
+    key_positions = torch.arange(k.shape[0], device=q.device)
+    index_keys = None
+    if budget is None:
+        mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)
+    else:
+        assert num_index_heads and index_head_dim and ratio and index_q_norm_weight is not None
+        assert index_k_norm_weight is not None
+        index_q, new_index_keys = split_index_projection(index_qk, num_index_heads, index_head_dim)
+        index_keys = new_index_keys if past_index_keys is None else torch.cat([past_index_keys, new_index_keys])
+        mask = select_tokens(
+            index_q,
+            index_keys,
+            positions,
+            q_norm_weight=index_q_norm_weight,
+            k_norm_weight=index_k_norm_weight,
+            eps=eps,
+            rope_theta=rope_theta,
+            rotary_dim=rotary_dim,
+            budget=budget,
+            ratio=ratio,
+        )
+    out = gated_attention(q, k, v, gate, mask, head_dim**-0.5)
+    return out, k, v, index_keys
