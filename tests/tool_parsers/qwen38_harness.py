@@ -77,6 +77,8 @@ class Parsed:
     reasoning: str | None
     content: str | None
     calls: list[tuple[str, str]] = field(default_factory=list)
+    # Streaming only: (text of the chunk, content the parser returned for it).
+    chunks: list[tuple[str, str | None]] = field(default_factory=list)
 
     def arguments(self, index: int) -> Any:
         return json.loads(self.calls[index][1])
@@ -129,6 +131,11 @@ class Qwen38Harness:
         )
         return Parsed(reasoning, content, [(call.name, call.arguments) for call in calls or []])
 
+    def parse_both(self, ids: Sequence[int], request_fields: dict[str, Any], thinking: bool) -> tuple[Parsed, Parsed]:
+        """Non-streamed parse and token-by-token stream of the same output."""
+        full = self.parse_full(ids, request_fields, thinking)
+        return full, self.parse_stream(ids, range(1, len(ids)), request_fields, thinking)
+
     def parse_stream(
         self, ids: Sequence[int], cuts: Sequence[int], request_fields: dict[str, Any], thinking: bool
     ) -> Parsed:
@@ -139,6 +146,7 @@ class Qwen38Harness:
         reasoning: list[str] = []
         content: list[str] = []
         calls: dict[int, list[str]] = {}
+        chunks: list[tuple[str, str | None]] = []
         start = 0
         previous_text = ""
         for end in bounds:
@@ -150,6 +158,7 @@ class Qwen38Harness:
                 delta_text, list(ids[start:end]), request, prompt_token_ids=prompt, finished=end == len(ids)
             )
             start = end
+            chunks.append((delta_text, delta.content if delta is not None else None))
             if delta is None:
                 continue
             if delta.reasoning:
@@ -166,4 +175,5 @@ class Qwen38Harness:
             "".join(reasoning) or None,
             "".join(content) or None,
             [(name, args) for _, (name, args) in sorted(calls.items())],
+            chunks,
         )

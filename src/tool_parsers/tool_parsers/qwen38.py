@@ -259,6 +259,22 @@ class Qwen38Parser(Qwen3Parser):
             logger.warning("qwen38_coder: dropped a call to %r, which is not one of the request's tools", name)
         return accepted
 
+    def _trim_pending_name(self, index: int) -> None:
+        # Non-streaming strips the function name before checking it; streaming must
+        # check (and send) the same name, or "<function=f\n" would differ between them.
+        if 0 <= index < len(self._tool_slots):
+            slot = self._tool_slots[index]
+            if not slot.name_sent:
+                slot.name = slot.name.strip()
+
+    def _handle_arg_chunk(self, event: SemanticEvent, deltas: list[Any]) -> None:
+        self._trim_pending_name(event.tool_index)
+        super()._handle_arg_chunk(event, deltas)
+
+    def _handle_tool_end(self, event: SemanticEvent, deltas: list[Any]) -> None:
+        self._trim_pending_name(event.tool_index)
+        super()._handle_tool_end(event, deltas)
+
     def _reset(self, initial_state: ParserState | None = None) -> None:
         super()._reset(initial_state=initial_state)
         self._leading_marker_decided = False

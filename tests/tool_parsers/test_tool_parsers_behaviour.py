@@ -1,0 +1,174 @@
+"""Named behaviours of qwen38 / qwen38_coder, each checked streamed and non-streamed."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from qwen38_harness import Qwen38Harness, render_call
+
+from tool_parsers.qwen38 import is_truncated_call, parse_parameters
+from tool_parsers.schema_refs import resolve_local_refs
+
+WEATHER = render_call("get_weather", {"city": "Paris", "days": "3"})
+
+
+# R01: an implicit end of reasoning
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tools": None, "response_format": {"type": "json_object"}},
+        {
+            "tools": None,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+            },
+        },
+        {"tool_choice": "none", "response_format": {"type": "json_object"}},
+        {"tools": None, "structured_outputs": {"json": {"type": "object"}}},
+    ],
+)
+def test_tool_call_marker_ends_reasoning_and_leaves_json_answer(harness: Qwen38Harness, fields: dict[str, Any]) -> None:
+    ids = harness.encode('Think first.<tool_call>{"a": 1}')
+    for parsed in harness.parse_both(ids, fields, thinking=True):
+        assert parsed.reasoning == "Think first."
+        assert parsed.content == '{"a": 1}'
+        assert parsed.calls == []
+
+
+def test_tool_call_marker_ends_reasoning_and_starts_the_call(harness: Qwen38Harness) -> None:
+    ids = harness.encode("Think first." + WEATHER)
+    for choice in ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}]:
+        for parsed in harness.parse_both(ids, {"tool_choice": choice}, thinking=True):
+            assert parsed.reasoning == "Think first."
+            assert not parsed.content
+            assert parsed.calls == [("get_weather", '{"city": "Paris", "days": 3}')]
+
+
+# R06: tool_choice="none"
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_tool_choice_none_returns_markup_as_content(harness: Qwen38Harness, thinking: bool) -> None:
+    answer = "Here: " + WEATHER
+    ids = harness.encode(("ok\n</think>\n\n" if thinking else "") + answer)
+    full, streamed = harness.parse_both(ids, {"tool_choice": "none"}, thinking)
+    assert full.calls == streamed.calls == []
+    assert full.content == streamed.content
+    assert (full.content or "").strip() == answer
+
+
+def test_tool_choice_none_does_not_hold_back_a_trailing_angle(harness: Qwen38Harness) -> None:
+    ids = harness.encode("ok\n</think>\n\nif a <")
+    _, streamed = harness.parse_both(ids, {"tool_choice": "none"}, thinking=True)
+    last_text, last_content = streamed.chunks[-1]
+    assert last_text.endswith("<")
+    assert last_content == last_text
+    # Every chunk after the reasoning comes back in the same chunk, unchanged.
+    after = streamed.chunks[[t for t, _ in streamed.chunks].index("</think>") + 1 :]
+    assert all(content == text for text, content in after)
+
+
+# Bad input: unknown functions, schema mismatches, malformed markup
+
+
+def test_unknown_function_is_dropped_and_named_in_a_warning(
+    harness: Qwen38Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="vllm.plugins.tool_parsers.qwen38")
+    text = render_call("delete_everything", {"path": "/"}) + "\n" + WEATHER
+    for parsed in harness.parse_both(harness.encode(text), {"tool_choice": "auto"}, thinking=False):
+        assert parsed.calls == [("get_weather", '{"city": "Paris", "days": 3}')]
+    assert any("'delete_everything'" in r.getMessage() for r in caplog.records)
+
+
+def test_value_not_matching_its_type_is_kept_as_text(harness: Qwen38Harness) -> None:
+    text = render_call("get_weather", {"city": "Oslo", "days": "a week"})
+    for parsed in harness.parse_both(harness.encode(text), {"tool_choice": "auto"}, thinking=False):
+        assert parsed.arguments(0) == {"city": "Oslo", "days": "a week"}
+
+
+@pytest.mark.parametrize(
+    "markup",
+    [
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</tool_call>",
+        "<tool_call>\n<tool_call>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=get_weather\n</function>\n</tool_call>",
+        "<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>",
+        "</parameter></function></tool_call><parameter=x>",
+    ],
+)
+@pytest.mark.parametrize("tool_choice", ["auto", "required", "none"])
+def test_malformed_markup_never_raises_and_both_paths_agree(
+    harness: Qwen38Harness, markup: str, tool_choice: str
+) -> None:
+    ids = harness.encode("Sure. " + markup)
+    full, streamed = harness.parse_both(ids, {"tool_choice": tool_choice}, thinking=False)
+    assert (full.content or None, full.calls) == (streamed.content or None, streamed.calls)
+    for name, _ in full.calls:
+        assert name == "get_weather"
+
+
+# Values that contain the closing tags
+
+
+def test_literal_closing_tags_inside_a_string_value(harness: Qwen38Harness) -> None:
+    content = "x = '</function>'\ny = '</parameter>'\n</tool_call> stays"
+    text = render_call("write_file", {"path": "t.py", "content": content})
+    for parsed in harness.parse_both(harness.encode(text), {"tool_choice": "auto"}, thinking=False):
+        assert parsed.arguments(0) == {"path": "t.py", "content": content}
+
+
+def test_parse_parameters_closes_a_value_only_before_a_tag() -> None:
+    body = "\n<parameter=a>\n1</parameter>2\n</parameter>\n<parameter=b>\nz\n</parameter>\n"
+    assert parse_parameters(body) == {"a": "1</parameter>2", "b": "z"}
+    assert parse_parameters("\n<parameter=a>\nop", partial=True) == {"a": "op"}
+    assert parse_parameters("\n<parameter=a", partial=True) == {}
+
+
+# Calls cut short by max_tokens
+
+
+def test_call_cut_short_keeps_its_arguments_and_is_remembered(harness: Qwen38Harness) -> None:
+    text = WEATHER + "\n" + render_call("write_file", {"path": "notes.txt", "content": "long text"})
+    ids = harness.encode(text)
+    ids = ids[: len(harness.encode(text[: text.rindex("long") + 2]))]
+    full, streamed = harness.parse_both(ids, {"tool_choice": "auto"}, thinking=False)
+    assert full.calls == streamed.calls
+    assert [name for name, _ in full.calls] == ["get_weather", "write_file"]
+    assert full.arguments(1)["path"] == "notes.txt"
+    parser, request = harness._new_parser(harness.request(), thinking=False)
+    _, _, calls = parser.parse(harness.decode(ids), request, enable_auto_tools=True)
+    assert [is_truncated_call(call.id) for call in calls] == [False, True]
+
+
+# $ref parameters
+
+
+def test_ref_resolution_handles_both_def_locations_and_recursion() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"$ref": "#/$defs/N", "description": "kept"},
+            "tree": {"$ref": "#/definitions/Tree"},
+            "remote": {"$ref": "https://example.com/x.json"},
+        },
+        "$defs": {"N": {"type": "integer"}},
+        "definitions": {"Tree": {"type": "object", "properties": {"child": {"$ref": "#/definitions/Tree"}}}},
+    }
+    resolved = resolve_local_refs(schema)
+    assert resolved["properties"]["n"] == {"type": "integer", "description": "kept"}
+    assert resolved["properties"]["tree"]["type"] == "object"
+    # The recursive reference is expanded once and then left as a reference.
+    assert resolved["properties"]["tree"]["properties"]["child"] == {"$ref": "#/definitions/Tree"}
+    assert resolved["properties"]["remote"] == {"$ref": "https://example.com/x.json"}
+
+
+def test_ref_typed_parameters_are_converted(harness: Qwen38Harness) -> None:
+    text = render_call("set_limits", {"count": "7", "ratio": "1.5", "flags": '{"strict": true}'})
+    for parsed in harness.parse_both(harness.encode(text), {"tool_choice": "auto"}, thinking=False):
+        assert parsed.arguments(0) == {"count": 7, "ratio": 1.5, "flags": {"strict": True}}
