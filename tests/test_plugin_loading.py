@@ -11,7 +11,8 @@ from openai import OpenAI
 from tools.vllm_server import VllmServer
 
 PLUGINS = ("qwen38_plugin", "sm70_backend", "dflash2", "csf_loader", "tool_parsers")
-SERVER_ARGS = ["--served-model-name", "tiny", "--max-model-len", "1024", "--max-num-seqs", "4"]
+# Eager mode: torch.compile adds ~20 s per start and is not what these tests are about.
+SERVER_ARGS = ["--served-model-name", "tiny", "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager"]
 
 # "<plugin> <version> registered in process <name> (pid <pid>): <what>", printed by each
 # plugin's register() through vLLM's logger (or to stderr before vLLM configures logging).
