@@ -1,0 +1,614 @@
+"""Portable Qwen4Exp text model: the ops composed into layers, independent of vLLM.
+
+`Qwen4ExpCore` holds the weights under transformers' checkpoint names (after the two
+renames transformers also applies: per-expert tensors stacked into ``experts.gate_up_proj`` /
+``experts.down_proj``, PLE table shards concatenated) and runs a *step*: new tokens of several
+sequences at once, flattened to ``[N]``, each sequence continuing from the state a
+`StateStore` gives it. The vLLM model implements a `StateStore` over vLLM's caches; the
+tests use `DictStateStore`.
+
+Per-token work (embedding, projections, MoE, hyper-connections) runs on all N tokens at once;
+state-dependent work runs on all single-token (decode) sequences as one batch and on every
+longer (prefill) sequence by itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from qwen38_plugin.ops import gdn, hyper_connection, moe, ple, qsa
+
+LAYER_TYPES = ("linear_attention", "indexed_attention")
+
+
+class ConfigError(ValueError):
+    """A Qwen4Exp configuration this model cannot run; the message names the field and the fix."""
+
+
+def eos_id(config: Any) -> int:
+    eos = config.eos_token_id
+    return int(eos[0] if isinstance(eos, (list, tuple)) else eos)
+
+
+def check_config(config: Any) -> None:
+    """Refuse configurations Qwen4Exp does not define, before any weight is allocated."""
+    unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ConfigError(f"layer_types: unknown layer types {unknown}; Qwen4Exp layers are {' or '.join(LAYER_TYPES)}")
+    if len(config.layer_types) != config.num_hidden_layers:
+        raise ConfigError(
+            f"layer_types: {len(config.layer_types)} entries for num_hidden_layers={config.num_hidden_layers}; "
+            "give one type per layer"
+        )
+    if config.hc_count < 2:
+        raise ConfigError(f"hc_count: Qwen4Exp needs at least 2 residual streams, got {config.hc_count}")
+    if "indexed_attention" in config.layer_types and config.indexer_budget is not None:
+        if config.indexer_kv_heads != 1:
+            raise ConfigError(f"indexer_kv_heads: QSA uses exactly 1 indexer key head, got {config.indexer_kv_heads}")
+        ratio, budget = config.indexer_compress_ratio, config.indexer_budget
+        if not ratio or ratio <= 0 or budget % ratio:
+            raise ConfigError(
+                f"indexer_budget: {budget} is not a multiple of indexer_compress_ratio={ratio}; "
+                f"use a multiple such as {max(ratio or 1, (budget // max(ratio or 1, 1)) * (ratio or 1))}"
+            )
+    gate = config.output_gate_type or config.hidden_act
+    if gate not in ("silu", "sigmoid"):
+        raise ConfigError(f"output_gate_type: {gate!r} is not supported; use silu or sigmoid")
+    if config.ple_layer_ids:
+        bad = [i for i in config.ple_layer_ids if config.layer_types[i - 1] != "linear_attention"]
+        if bad:
+            raise ConfigError(f"ple_layer_ids: layers {bad} are not linear_attention layers; PLE needs them")
+
+
+def rotary_dim(config: Any) -> int:
+    return int(config.head_dim * (config.rope_parameters or {}).get("partial_rotary_factor", 1.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights, under checkpoint names
+# ---------------------------------------------------------------------------------------------
+
+
+def _linear(out_features: int, in_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+def _vector(size: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(size))
+
+
+class _Norm(nn.Module):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = _vector(size)
+
+
+class _Weight(nn.Module):
+    """A module holding one tensor named ``weight`` (a checkpoint name level such as ``conv1d``)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(*shape))
+
+
+class _Experts(nn.Module):
+    def __init__(self, experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(experts, hidden, intermediate))
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = _linear(intermediate, hidden)
+        self.up_proj = _linear(intermediate, hidden)
+        self.down_proj = _linear(hidden, intermediate)
+
+
+class GatedResidual(nn.Module):
+    def __init__(self, config: Any, inject: bool = True) -> None:
+        super().__init__()
+        width = config.hc_count * config.hidden_size
+        self.hc_count, self.eps = config.hc_count, config.rms_norm_eps
+        self.hc_norm = _Norm(width)
+        self.input_mix_weight_down = _linear(config.hc_lowrank, width)
+        self.input_mix_weight_up = _linear(width, config.hc_lowrank)
+        self.block_inject_weight = _linear(config.hc_count, width) if inject else None
+
+    def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        inject = self.block_inject_weight.weight if self.block_inject_weight is not None else None
+        return hyper_connection.hc_mix(
+            streams, self.hc_norm.weight, self.input_mix_weight_down.weight, self.input_mix_weight_up.weight, inject,
+            hc_count=self.hc_count, eps=self.eps,
+        )  # fmt: skip
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.conv_dim = 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+        self.kernel = config.linear_conv_kernel_dim
+        self.eps = config.rms_norm_eps
+        self.gate_activation = config.output_gate_type or config.hidden_act
+        hidden, value_dim = config.hidden_size, self.num_v_heads * self.head_v_dim
+        self.in_proj_qkv = _linear(self.conv_dim, hidden)
+        self.in_proj_z = _linear(value_dim, hidden)
+        self.in_proj_b = _linear(self.num_v_heads, hidden)
+        self.in_proj_a = _linear(self.num_v_heads, hidden)
+        self.conv1d = _Weight(self.conv_dim, 1, self.kernel)
+        self.A_log = _vector(self.num_v_heads)
+        self.dt_bias = _vector(self.num_v_heads)
+        self.norm = _Norm(self.head_v_dim)
+        self.out_proj = _linear(hidden, value_dim)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def core(
+        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, decode: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[B, T, H]`` -> (y ``[B, T, Hv * Dv]`` before out_proj, conv state, recurrent state)."""
+        return gdn.gated_delta_net(
+            self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x),
+            self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, self.norm.weight,
+            num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim, eps=self.eps,
+            gate_activation=self.gate_activation, conv_state=conv_state, recurrent_state=state,
+            chunk_size=None if decode else 64,
+        )  # fmt: skip
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.index_qk_proj = _linear((config.indexer_n_heads + 1) * config.indexer_head_dim, config.hidden_size)
+        self.q_layernorm = _Norm(config.indexer_head_dim)
+        self.k_layernorm = _Norm(config.indexer_head_dim)
+
+
+class QSAAttention(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        heads, kv_heads, head_dim, hidden = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size,
+        )  # fmt: skip
+        self.q_proj = _linear(heads * head_dim * 2, hidden)
+        self.k_proj = _linear(kv_heads * head_dim, hidden)
+        self.v_proj = _linear(kv_heads * head_dim, hidden)
+        self.o_proj = _linear(hidden, heads * head_dim)
+        self.q_norm = _Norm(head_dim)
+        self.k_norm = _Norm(head_dim)
+        self.indexer = Indexer(config) if config.indexer_budget is not None else None
+
+    def attend(
+        self, x: torch.Tensor, positions: torch.Tensor, past: tuple[torch.Tensor | None, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One sequence: x ``[T, H]`` -> (out before o_proj, new k, new v, new raw index keys)."""
+        c = self.config
+        index_qk = self.indexer.index_qk_proj(x) if self.indexer is not None else x
+        past_k, past_v, past_keys = past
+        num_past = 0 if past_k is None else past_k.shape[0]
+        out, k, v, keys = qsa.qsa_attention(
+            self.q_proj(x), self.k_proj(x), self.v_proj(x), index_qk, positions,
+            q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
+            index_q_norm_weight=self.indexer.q_layernorm.weight if self.indexer is not None else None,
+            index_k_norm_weight=self.indexer.k_layernorm.weight if self.indexer is not None else None,
+            num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            rotary_dim=rotary_dim(c), rope_theta=c.rope_parameters["rope_theta"], eps=c.rms_norm_eps,
+            num_index_heads=c.indexer_n_heads, index_head_dim=c.indexer_head_dim, budget=c.indexer_budget,
+            ratio=c.indexer_compress_ratio, past_k=past_k, past_v=past_v, past_index_keys=past_keys,
+        )  # fmt: skip
+        new_keys = None if keys is None else keys[num_past:]
+        return out, k[num_past:], v[num_past:], new_keys
+
+
+class NGramEmbedding(nn.Module):
+    layer_multipliers: torch.Tensor
+    ngram_heads_vocab_sizes: torch.Tensor
+    ngram_heads_offsets: torch.Tensor
+
+    def __init__(self, config: Any, ple_layer_index: int) -> None:
+        super().__init__()
+        heads = (config.ngram_size - 1) * config.heads_per_ngram
+        sizes = [
+            _nth_prime_after(config.ngram_vocab_size_base - 1, ple_layer_index * heads + h + 1) for h in range(heads)
+        ]
+        total = sum(sizes)
+        divisor = config.make_ngram_vocab_size_divisible_by
+        self.register_buffer("layer_multipliers", torch.zeros(config.ngram_size, dtype=torch.long))
+        self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
+        self.register_buffer("ngram_heads_offsets", torch.tensor([0, *sizes[:-1]], dtype=torch.long).cumsum(0))
+        self.ngram_embedding = _Weight(math.ceil(total / divisor) * divisor, config.ple_embed_dim // heads)
+
+
+def _nth_prime_after(start: int, count: int) -> int:
+    value = start
+    for _ in range(count):
+        value += 1
+        while value < 2 or any(value % d == 0 for d in range(2, math.isqrt(value) + 1)):
+            value += 1
+    return value
+
+
+class PLELayer(nn.Module):
+    def __init__(self, config: Any, ple_layer_index: int) -> None:
+        super().__init__()
+        width = config.hc_count * config.hidden_size
+        self.hc_count, self.eps = config.hc_count, config.rms_norm_eps
+        self.heads_per_ngram, self.eos = config.heads_per_ngram, eos_id(config)
+        self.ngram_size, self.kernel = config.ngram_size, config.ple_conv_kernel_size
+        self.ple_embedding = NGramEmbedding(config, ple_layer_index)
+        self.key_proj = _linear(width, config.ple_embed_dim)
+        self.value_proj = _linear(config.hidden_size, config.ple_embed_dim)
+        self.norm_key, self.norm_query, self.norm_conv = _Norm(width), _Norm(width), _Norm(width)
+        self.conv1d = _Weight(width, 1, self.kernel)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv state, n-gram context) per sequence."""
+        width = int(self.conv1d.weight.shape[0])
+        return (width, (self.kernel - 1) * self.ngram_size), (self.ngram_size - 1,)
+
+    def term(
+        self, streams: torch.Tensor, ids: torch.Tensor, context: torch.Tensor, conv_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        emb = self.ple_embedding
+        return ple.ple(
+            streams, ids, emb.ngram_embedding.weight, emb.layer_multipliers, emb.ngram_heads_vocab_sizes,
+            emb.ngram_heads_offsets, self.key_proj.weight, self.value_proj.weight, self.norm_key.weight,
+            self.norm_query.weight, self.norm_conv.weight, self.conv1d.weight.squeeze(1), hc_count=self.hc_count,
+            heads_per_ngram=self.heads_per_ngram, eos_token_id=self.eos, eps=self.eps, context=context,
+            conv_state=conv_state,
+        )  # fmt: skip
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.top_k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate = _Weight(e, h)
+        self.experts = _Experts(e, h, i)
+        self.shared_expert = _SwiGLU(h, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = _linear(1, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert
+        return moe.moe(
+            x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
+            torch.cat([shared.gate_proj.weight, shared.up_proj.weight]), shared.down_proj.weight,
+            self.shared_expert_gate.weight, top_k=self.top_k, normalize=self.normalize,
+        )  # fmt: skip
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, index: int) -> None:
+        super().__init__()
+        self.layer_type = config.layer_types[index]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = QSAAttention(config)
+        self.mlp = SparseMoe(config)
+        ple_ids = list(config.ple_layer_ids or [])
+        self.ple = PLELayer(config, ple_ids.index(index + 1)) if index + 1 in ple_ids else None
+        self.attn_hyper_connection = GatedResidual(config)
+        self.mlp_hyper_connection = GatedResidual(config)
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.hyper_connection_mixer = GatedResidual(config, inject=False)
+
+    def layer(self, index: int) -> DecoderLayer:
+        block = self.layers[index]
+        assert isinstance(block, DecoderLayer)
+        return block
+
+
+# ---------------------------------------------------------------------------------------------
+# States
+# ---------------------------------------------------------------------------------------------
+
+
+class StateStore(Protocol):
+    """Per-sequence states of one step; ``seqs`` are indices into the step's sequences."""
+
+    def recurrent(self, layer: int, kind: str, seqs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """kind "gdn": (conv, recurrent); kind "ple": (n-gram context, conv); batched over seqs."""
+        ...
+
+    def set_recurrent(self, layer: int, kind: str, seqs: Sequence[int], a: torch.Tensor, b: torch.Tensor) -> None: ...
+
+    def kv(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Past (k ``[P, Hkv, D]``, v, raw index keys ``[P, Di]``) of one sequence; Nones when P = 0."""
+        ...
+
+    def append_kv(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor | None) -> None: ...
+
+
+@dataclass
+class SequenceCache:
+    """Everything one sequence carries between steps (the reference `StateStore`'s unit)."""
+
+    recurrent: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+
+
+class DictStateStore:
+    """A `StateStore` over plain per-sequence dicts; fresh states are made on first use."""
+
+    def __init__(self, core: Qwen4ExpCore, caches: Sequence[SequenceCache]) -> None:
+        self.core, self.caches = core, caches
+
+    def recurrent(self, layer: int, kind: str, seqs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.caches[s].recurrent.get((layer, kind)) or self.core.fresh_state(layer, kind) for s in seqs]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    def set_recurrent(self, layer: int, kind: str, seqs: Sequence[int], a: torch.Tensor, b: torch.Tensor) -> None:
+        for i, s in enumerate(seqs):
+            self.caches[s].recurrent[(layer, kind)] = (a[i], b[i])
+
+    def kv(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        return self.caches[seq].kv.get(layer, (None, None, None))
+
+    def append_kv(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor | None) -> None:
+        old = self.caches[seq].kv.get(layer)
+        if old is None:
+            self.caches[seq].kv[layer] = (k, v, keys)
+        else:
+            old_keys = old[2]
+            cat_keys = None if keys is None or old_keys is None else torch.cat([old_keys, keys])
+            self.caches[seq].kv[layer] = (torch.cat([old[0], k]), torch.cat([old[1], v]), cat_keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+
+
+class Qwen4ExpCore(nn.Module):
+    """Qwen4ExpForCausalLM's text model and lm_head (parameter names = checkpoint names)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = TextModel(config)
+        self.lm_head = _linear(config.vocab_size, config.hidden_size)
+
+    # -- states ---------------------------------------------------------------------------------
+    def fresh_state(self, layer: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        block = self.model.layer(layer)
+        dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
+        if kind == "gdn":
+            conv, rec = block.linear_attn.state_shapes()
+            return torch.zeros(conv, dtype=dtype, device=device), torch.zeros(rec, device=device)
+        assert block.ple is not None, f"layer {layer} has no PLE"
+        conv, context = block.ple.state_shapes()
+        eos = torch.full(context, eos_id(self.config), dtype=torch.long, device=device)
+        return eos, torch.zeros(conv, dtype=dtype, device=device)
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward_step(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, query_lens: Sequence[int], store: StateStore
+    ) -> torch.Tensor:
+        """New tokens of several sequences (``[N]``, sequence after sequence) -> final hidden ``[N, H]``."""
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        decodes = [s for s, n in enumerate(query_lens) if n == 1]
+        prefills = [s for s, n in enumerate(query_lens) if n > 1]
+        dec_rows = torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=token_ids.device)
+        groups: list[tuple[list[int], torch.Tensor | slice]] = []
+        if decodes:
+            groups.append((decodes, dec_rows))
+        groups += [([s], slice(starts[s], starts[s + 1])) for s in prefills]
+
+        cfg = self.config
+        streams = hyper_connection.hc_expand(self.model.embed_tokens(token_ids), cfg.hc_count)
+        for index in range(cfg.num_hidden_layers):
+            layer = self.model.layer(index)
+            if layer.ple is not None:
+                term = torch.empty_like(streams)
+                for seqs, rows in groups:
+                    ctx, conv = store.recurrent(index, "ple", seqs)
+                    out, ctx, conv = layer.ple.term(
+                        _as_batch(streams, rows, len(seqs)), _as_batch(token_ids, rows, len(seqs)), ctx, conv
+                    )
+                    store.set_recurrent(index, "ple", seqs, ctx, conv)
+                    term[rows] = out.flatten(0, 1)
+                streams = streams + term
+            x, inject = layer.attn_hyper_connection.mix(streams)
+            assert inject is not None
+            if layer.layer_type == "linear_attention":
+                attn = layer.linear_attn
+                y = x.new_empty(x.shape[0], attn.num_v_heads * attn.head_v_dim)
+                for seqs, rows in groups:
+                    conv, rec = store.recurrent(index, "gdn", seqs)
+                    decode = isinstance(rows, torch.Tensor)
+                    out, conv, rec = attn.core(_as_batch(x, rows, len(seqs)), conv, rec, decode)
+                    store.set_recurrent(index, "gdn", seqs, conv, rec)
+                    y[rows] = out.flatten(0, 1)
+                block_out = attn.out_proj(y)
+            else:
+                sa = layer.self_attn
+                y = x.new_empty(x.shape[0], cfg.num_attention_heads * cfg.head_dim)
+                for s, n in enumerate(query_lens):
+                    rows_s = slice(starts[s], starts[s] + n)
+                    out, k, v, keys = sa.attend(x[rows_s], positions[rows_s], store.kv(index, s))
+                    store.append_kv(index, s, k, v, keys)
+                    y[rows_s] = out
+                block_out = sa.o_proj(y)
+            streams = hyper_connection.hc_inject(streams, block_out, inject)
+            x, inject = layer.mlp_hyper_connection.mix(streams)
+            assert inject is not None
+            streams = hyper_connection.hc_inject(streams, layer.mlp(x), inject)
+        hidden, _ = self.model.hyper_connection_mixer.mix(streams)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # -- weights --------------------------------------------------------------------------------
+    def load_checkpoint_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors in; raise `CheckpointError` naming missing or unexpected ones.
+
+        Accepts transformers' on-disk names (per-expert ``experts.{e}.{gate,up,down}_proj.weight``,
+        PLE ``ngram_embedding.shard_{i}.weight``) as well as the runtime ones. ``mtp.*`` tensors
+        (the multi-token-prediction head) are not part of this model and are skipped.
+        """
+        params: dict[str, torch.Tensor] = dict(self.named_parameters())
+        params.update(dict(self.named_buffers()))
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        expert_parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        for name, tensor in tensors:
+            if name.startswith("mtp.") or name.startswith("model.visual."):
+                continue
+            name = name.removeprefix("model.language_model.").removeprefix("language_model.")
+            if not name.startswith(("model.", "lm_head.")):
+                name = "model." + name
+            parts = name.split(".")
+            if ".mlp.experts." in name and parts[-3].isdigit():
+                prefix = ".".join(parts[:-3])
+                expert_parts.setdefault(prefix, {}).setdefault(int(parts[-3]), {})[parts[-2]] = tensor
+                continue
+            if ".ngram_embedding.shard_" in name:
+                prefix = name.split(".shard_")[0] + ".weight"
+                shards.setdefault(prefix, {})[int(parts[-2].removeprefix("shard_"))] = tensor
+                continue
+            if name not in params:
+                unexpected.append(name)
+                continue
+            self._copy(params[name], tensor, name)
+            loaded.add(name)
+        absent: list[str] = []
+        for prefix, experts in expert_parts.items():
+            names = [f"{prefix}.{e}.{part}.weight" for e in range(self.config.num_experts) for part in _EXPERT_PARTS]
+            absent += [n for n in names if n.split(".")[-2] not in experts.get(int(n.split(".")[-3]), {})]
+            if any(n.startswith(prefix + ".") for n in absent):
+                continue
+            stacked = {
+                "gate_up_proj": torch.stack(
+                    [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in sorted(experts)]
+                ),
+                "down_proj": torch.stack([experts[e]["down_proj"] for e in sorted(experts)]),
+            }
+            for suffix, value in stacked.items():
+                target = f"{prefix}.{suffix}"
+                if target not in params:
+                    unexpected.append(target)
+                    continue
+                self._copy(params[target], value, target)
+                loaded.add(target)
+        for target, pieces in shards.items():
+            if target not in params:
+                unexpected.append(target)
+                continue
+            table = torch.cat([pieces[i] for i in sorted(pieces)])
+            rows = params[target].shape[0]
+            self._copy(params[target], table[:rows], target)
+            loaded.add(target)
+        missing = sorted(set(params) - loaded - self._derived_names())
+        # A stacked expert tensor is missing because of the per-expert tensors named in `absent`.
+        missing = sorted(
+            [n for n in missing if not any(a.startswith(n.rsplit(".", 1)[0] + ".") for a in absent)] + absent
+        )
+        if unexpected or missing:
+            raise CheckpointError(missing, sorted(unexpected))
+        return loaded
+
+    def _derived_names(self) -> set[str]:
+        # Buffers the checkpoint may omit because they follow from the config.
+        return {n for n, _ in self.named_buffers() if n.endswith(("ngram_heads_vocab_sizes", "ngram_heads_offsets"))}
+
+    @staticmethod
+    def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        if tuple(param.shape) != tuple(value.shape):
+            raise CheckpointError([], [], {name: (tuple(value.shape), tuple(param.shape))})
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+
+
+_EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _as_batch(t: torch.Tensor, rows: torch.Tensor | slice, batch: int) -> torch.Tensor:
+    """Rows of t as ``[B, T, ...]``: decode rows become B sequences of 1 token, a slice one sequence."""
+    picked = t[rows]
+    return picked.unsqueeze(1) if isinstance(rows, torch.Tensor) else picked.unsqueeze(0)
+
+
+class CheckpointError(ValueError):
+    """Checkpoint tensors that do not match the model; names every offending tensor."""
+
+    def __init__(
+        self,
+        missing: list[str],
+        unexpected: list[str],
+        bad_shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+    ) -> None:
+        lines = []
+        if missing:
+            lines.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            lines.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
+        for name, (got, want) in (bad_shapes or {}).items():
+            lines.append(f"tensor {name} has shape {list(got)}, the config implies {list(want)}")
+        super().__init__(
+            "Qwen4Exp checkpoint does not match its config: " + "; ".join(lines) + ". Check that config.json "
+            "belongs to these weights (layer_types, ple_layer_ids, num_experts, head counts)."
+        )
+        self.missing, self.unexpected = missing, unexpected
+
+
+def iter_safetensors(path: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint directory's ``*.safetensors`` files."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def greedy_generate(
+    core: Qwen4ExpCore, prompts: Sequence[Sequence[int]], steps: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy continuation of several prompts run together (prefill all, then decode all).
+
+    Returns (generated ids per prompt, logits of the prefill's last position per prompt).
+    """
+    caches = [SequenceCache() for _ in prompts]
+    store = DictStateStore(core, caches)
+    device = core.lm_head.weight.device
+    ids = torch.tensor([t for p in prompts for t in p], device=device)
+    positions = torch.cat([torch.arange(len(p), device=device) for p in prompts])
+    hidden = core.forward_step(ids, positions, [len(p) for p in prompts], store)
+    last_rows = torch.tensor([sum(len(q) for q in prompts[: i + 1]) - 1 for i in range(len(prompts))])
+    first_logits = core.logits(hidden[last_rows])
+    out = [[int(t)] for t in first_logits.argmax(-1)]
+    lengths = [len(p) for p in prompts]
+    for _ in range(steps - 1):
+        ids = torch.tensor([o[-1] for o in out], device=device)
+        positions = torch.tensor(lengths, device=device)
+        hidden = core.forward_step(ids, positions, [1] * len(prompts), store)
+        for o, t in zip(out, core.logits(hidden).argmax(-1), strict=True):
+            o.append(int(t))
+        lengths = [n + 1 for n in lengths]
+    return out, list(first_logits)
