@@ -9,6 +9,7 @@ output or `parse_delta` on successive token chunks with their decoded text.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,17 @@ class Qwen38Harness:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def encode_spelled(self, text: str) -> list[int]:
+        """Token ids with every special marker spelled in ordinary tokens, as a grammar writes it."""
+        ids: list[int] = []
+        for part in re.split(r"(</?tool_call>|</?think>)", text):
+            if re.fullmatch(r"</?tool_call>|</?think>", part):
+                ids.extend(self.encode(part[:1]))
+                ids.extend(self.encode(part[1:]))
+            elif part:
+                ids.extend(self.encode(part))
+        return ids
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
 
@@ -151,8 +163,11 @@ class Qwen38Harness:
         previous_text = ""
         for end in bounds:
             text = self.decode(ids[:end])
-            # Incremental detokenization: the text this chunk adds.
-            delta_text = text[len(previous_text) :] if text.startswith(previous_text) else self.decode(ids[start:end])
+            if end < len(ids):
+                # As vLLM's incremental detokenizer, hold back a character whose bytes are incomplete.
+                text = text.rstrip("\ufffd")
+            assert text.startswith(previous_text)
+            delta_text = text[len(previous_text) :]
             previous_text = text
             delta = parser.parse_delta(
                 delta_text, list(ids[start:end]), request, prompt_token_ids=prompt, finished=end == len(ids)

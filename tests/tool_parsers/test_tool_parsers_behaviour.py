@@ -172,3 +172,19 @@ def test_ref_typed_parameters_are_converted(harness: Qwen38Harness) -> None:
     text = render_call("set_limits", {"count": "7", "ratio": "1.5", "flags": '{"strict": true}'})
     for parsed in harness.parse_both(harness.encode(text), {"tool_choice": "auto"}, thinking=False):
         assert parsed.arguments(0) == {"count": 7, "ratio": 1.5, "flags": {"strict": True}}
+
+
+def test_marker_spelled_with_ordinary_tokens_is_a_marker_in_both_paths(harness: Qwen38Harness) -> None:
+    """xgrammar writes `<tool_call>` of a required / named call as ordinary text tokens."""
+    pieces = ["<", "tool", "_call", ">\n", "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>"]
+    ids = [token for piece in pieces for token in harness.encode(piece)]
+    assert harness.encode("<tool_call>")[0] not in ids
+    for choice in ["required", {"type": "function", "function": {"name": "get_weather"}}]:
+        for parsed in harness.parse_both(ids, {"tool_choice": choice}, thinking=False):
+            assert not parsed.content
+            assert parsed.calls == [("get_weather", '{"city": "Paris"}')]
+    # In the reasoning, it ends the reasoning, as the non-streamed parse always did.
+    ids = harness.encode("Hm.") + ids
+    for parsed in harness.parse_both(ids, {"tool_choice": "auto"}, thinking=True):
+        assert parsed.reasoning == "Hm."
+        assert parsed.calls == [("get_weather", '{"city": "Paris"}')]

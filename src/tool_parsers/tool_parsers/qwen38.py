@@ -30,7 +30,7 @@ from typing import Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage, ExtractedToolCallInformation
 from vllm.parser.engine.adapters import ParserEngineReasoningAdapter, ParserEngineToolAdapter
-from vllm.parser.engine.events import SemanticEvent
+from vllm.parser.engine.events import EventType, SemanticEvent
 from vllm.parser.engine.parser_engine_config import ParserEngineConfig, ParserState
 from vllm.parser.engine.streaming_parser_engine import StreamingParserEngine
 from vllm.parser.qwen3 import Qwen3Parser, qwen3_config
@@ -43,6 +43,10 @@ TOOL_CALL_START = "<tool_call>"
 PARAM_OPEN = "<parameter="
 PARAM_CLOSE = "</parameter>"
 FUNCTION_CLOSE = "</function>"
+
+_TOOL_EVENT_TYPES = frozenset(
+    (EventType.TOOL_CALL_START, EventType.TOOL_NAME, EventType.ARG_VALUE_CHUNK, EventType.TOOL_CALL_END)
+)
 
 # ── Argument body → JSON ─────────────────────────────────────────────────────
 
@@ -191,6 +195,19 @@ class Qwen38StreamingEngine(StreamingParserEngine):
             self._value_position = _ValuePosition.OUTSIDE
         return events
 
+    def _process_lex_tokens(self, tokens: list[Any]) -> list[SemanticEvent]:
+        # Stock treats a marker spelled with ordinary tokens as text once the stream has
+        # carried token ids, but its non-streamed parse (text only) treats the same
+        # spelling as the marker, so the two paths disagreed. Grammars (xgrammar
+        # structural tags for required / named calls) do write `<tool_call>` that way, so
+        # the spelled marker is a marker here too, and both paths agree.
+        had_ids = self._ever_had_token_ids
+        self._ever_had_token_ids = False
+        try:
+            return super()._process_lex_tokens(tokens)
+        finally:
+            self._ever_had_token_ids = had_ids
+
     def finish(self) -> list[SemanticEvent]:
         # A call whose `</function>` never came was cut short (max_tokens or a stop string).
         if self.state in (ParserState.TOOL_NAME, ParserState.TOOL_ARGS) and self.tool_index >= 0:
@@ -258,6 +275,38 @@ class Qwen38Parser(Qwen3Parser):
             self._warned_names.add(name)
             logger.warning("qwen38_coder: dropped a call to %r, which is not one of the request's tools", name)
         return accepted
+
+    def _events_to_delta(self, events: list[SemanticEvent], finished: bool = False) -> DeltaMessage | None:
+        # Whitespace the engine holds back (it may precede a call, where it is dropped) stays
+        # held until something decides it: stock decided on a delta without events, and so
+        # dropped it even when text followed. When text comes first, the held whitespace goes
+        # in front of that text, not behind it.
+        if not events and not finished:
+            return None
+        if (
+            not finished
+            and self._tool_slots
+            and all(event.type is EventType.TEXT_CHUNK and not event.value.strip() for event in events)
+        ):
+            # Whitespace after a call: stock drops it at once, though text may follow (and
+            # then the non-streamed content keeps it). Hold it like the whitespace before a call.
+            self._deferred_content += "".join(event.value for event in events)
+            return None
+        if self._deferred_content:
+            for position, event in enumerate(events):
+                if event.type in _TOOL_EVENT_TYPES:
+                    break
+                if event.type is EventType.TEXT_CHUNK and event.value.strip():
+                    events = list(events)
+                    events[position] = SemanticEvent(
+                        EventType.TEXT_CHUNK,
+                        value=self._deferred_content + event.value,
+                        tool_index=event.tool_index,
+                        token_count=event.token_count,
+                    )
+                    self._deferred_content = ""
+                    break
+        return super()._events_to_delta(events, finished)
 
     def _trim_pending_name(self, index: int) -> None:
         # Non-streaming strips the function name before checking it; streaming must
