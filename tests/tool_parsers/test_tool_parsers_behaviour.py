@@ -188,3 +188,18 @@ def test_marker_spelled_with_ordinary_tokens_is_a_marker_in_both_paths(harness: 
     for parsed in harness.parse_both(ids, {"tool_choice": "auto"}, thinking=True):
         assert parsed.reasoning == "Hm."
         assert parsed.calls == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_undefined_ref_is_rejected_naming_the_tool_and_the_fix(harness: Qwen38Harness) -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    tools = [
+        *harness.request().model_dump()["tools"],
+        {
+            "type": "function",
+            "function": {"name": "broken", "parameters": {"properties": {"x": {"$ref": "#/$defs/X"}}}},
+        },
+    ]
+    parser_cls = harness.parser_cls
+    with pytest.raises(VLLMValidationError, match=r"tools\[3\] \('broken'\).*'#/\$defs/X'.*\$defs"):
+        parser_cls(harness.tokenizer, None).adjust_request(harness.request(tools=tools))

@@ -196,6 +196,27 @@ def test_chat_finish_reason_without_calls_is_stop() -> None:
     assert [c["finish_reason"] for c in body["choices"]] == ["stop", "tool_calls"]
 
 
+def test_chat_finish_reason_of_a_cut_output_is_length(harness: Qwen38Harness) -> None:
+    complete, truncated = truncated_and_complete_ids(harness)
+
+    def response(call_id: str, completion_tokens: int) -> dict[str, Any]:
+        message = {"tool_calls": [{"id": call_id, "type": "function"}]}
+        return {
+            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls", "stop_reason": None}],
+            "usage": {"completion_tokens": completion_tokens},
+        }
+
+    def finish(payload: dict[str, Any], request: dict[str, Any]) -> str:
+        app = ToolCallResponseMiddleware(json_app(payload))
+        sent = run_app(app, "/v1/chat/completions", body=json.dumps(request).encode())
+        return str(json.loads(body_of(sent))["choices"][0]["finish_reason"])
+
+    assert finish(response(truncated, 7), {"max_tokens": 64}) == "length"
+    assert finish(response(complete, 64), {"max_tokens": 64}) == "length"
+    assert finish(response(complete, 20), {"max_tokens": 64}) == "tool_calls"
+    assert finish(response(complete, 20), {}) == "tool_calls"
+
+
 def test_combined_middleware_passes_other_routes_untouched() -> None:
     payload = {"data": [{"id": "tiny"}]}
     sent = run_app(Qwen38Middleware(json_app(payload)), "/v1/models")

@@ -40,6 +40,8 @@ logger = logging.getLogger("vllm.plugins.tool_parsers.http")
 KEEP_ALIVE_COMMENT = b": keep-alive\n\n"
 KEEP_ALIVE_PATHS = ("/v1/responses", "/v1/messages")
 REWRITTEN_PATHS = ("/v1/messages", "/v1/chat/completions")
+# Request bodies are read for max_tokens only; a larger body is not inspected further.
+_REQUEST_BODY_LIMIT = 1 << 20
 STALL_SECONDS_ENV = "TOOL_PARSERS_STALL_SECONDS"
 DEFAULT_STALL_SECONDS = 60.0
 
@@ -254,17 +256,47 @@ def _drop_truncated_tool_use(body: dict[str, Any]) -> list[str]:
     return dropped
 
 
-def _fix_chat_finish_reason(body: dict[str, Any]) -> int:
-    """`finish_reason="tool_calls"` on a choice without tool calls becomes "stop"; return how many changed."""
-    fixed = 0
+def _requested_max_tokens(request_body: bytes) -> int | None:
+    try:
+        request = json.loads(request_body)
+    except ValueError:
+        return None
+    if not isinstance(request, dict):
+        return None
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = request.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _fix_chat_finish_reason(body: dict[str, Any], max_tokens: int | None) -> list[str]:
+    """Correct `finish_reason="tool_calls"` in a non-streamed chat completion; return what changed.
+
+    vLLM reports "tool_calls" for every parsed auto call, even when the output was
+    cut (the stream then says "length"), and for every `required` response, even
+    when no call parsed. A choice whose output max_tokens cut reports "length", as
+    the stream does, and one without calls reports "stop".
+    """
+    changes: list[str] = []
+    usage = body.get("usage") or {}
+    completion_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    hit_limit = isinstance(completion_tokens, int) and max_tokens is not None and completion_tokens >= max_tokens
     for choice in body.get("choices") or ():
         if not isinstance(choice, dict) or choice.get("finish_reason") != "tool_calls":
             continue
         message = choice.get("message") or {}
-        if not message.get("tool_calls"):
+        calls = message.get("tool_calls") or []
+        cut = any(is_truncated_call(call.get("id")) for call in calls if isinstance(call, dict))
+        if not calls:
             choice["finish_reason"] = "stop"
-            fixed += 1
-    return fixed
+            changes.append("no parsed tool calls: stop")
+        elif isinstance(choice.get("stop_reason"), str):
+            continue  # a stop string: the stream reports "tool_calls" too
+        elif cut or (hit_limit and len(body.get("choices") or ()) == 1):
+            choice["finish_reason"] = "length"
+            changes.append("output cut by max_tokens: length")
+    return changes
 
 
 class _SseEventFilter:
@@ -367,9 +399,16 @@ class _ResponseRewriter:
         self._mode = "pass"  # "json" buffers the body, "sse" filters events
         self._body: list[bytes] = []
         self._filter = _SseEventFilter()
+        self._request_body = b""
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
-        await app(scope, receive, self.send)
+        async def recording_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request" and len(self._request_body) < _REQUEST_BODY_LIMIT:
+                self._request_body += bytes(message.get("body", b""))
+            return message
+
+        await app(scope, recording_receive, self.send)
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -414,9 +453,11 @@ class _ResponseRewriter:
                 if dropped:
                     changed = True
                     logger.warning("/v1/messages: left out tool calls cut short: %s", ", ".join(dropped))
-            elif _fix_chat_finish_reason(data):
-                changed = True
-                logger.warning("chat completion: 'tool_calls' finish without parsed tool calls reported as 'stop'")
+            else:
+                fixes = _fix_chat_finish_reason(data, _requested_max_tokens(self._request_body))
+                if fixes:
+                    changed = True
+                    logger.warning("chat completion finish_reason corrected: %s", "; ".join(fixes))
             if changed:
                 body = json.dumps(data, ensure_ascii=False).encode()
         headers = [(k, v) for k, v in self._start.get("headers", []) if bytes(k).lower() != b"content-length"]

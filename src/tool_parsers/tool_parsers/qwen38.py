@@ -29,13 +29,14 @@ from enum import Enum
 from typing import Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage, ExtractedToolCallInformation
+from vllm.exceptions import VLLMValidationError
 from vllm.parser.engine.adapters import ParserEngineReasoningAdapter, ParserEngineToolAdapter
 from vllm.parser.engine.events import EventType, SemanticEvent
 from vllm.parser.engine.parser_engine_config import ParserEngineConfig, ParserState
 from vllm.parser.engine.streaming_parser_engine import StreamingParserEngine
 from vllm.parser.qwen3 import Qwen3Parser, qwen3_config
 
-from tool_parsers.schema_refs import resolve_tool_refs
+from tool_parsers.schema_refs import resolve_tool_refs, tool_parameters, unresolved_local_refs
 
 logger = logging.getLogger("vllm.plugins.tool_parsers.qwen38")
 
@@ -252,6 +253,22 @@ class Qwen38Parser(Qwen3Parser):
         self._leading_marker_decided = False
         self._leading_pending = ""
         self._warned_names: set[str] = set()
+
+    def adjust_request(self, request: Any) -> Any:
+        # A local $ref that points nowhere fails later inside xgrammar with a message that
+        # names neither the tool nor the reference; say which, and how to fix it.
+        for position, tool in enumerate(getattr(request, "tools", None) or ()):
+            name, params = tool_parameters(tool)
+            missing = unresolved_local_refs(params) if params else []
+            if missing:
+                raise VLLMValidationError(
+                    f"tools[{position}] ({name!r}): parameters use $ref {missing[0]!r}, which is not "
+                    f"defined in the same schema; add it under the parameters' $defs (or definitions) "
+                    f"or inline the referenced schema",
+                    parameter="tools",
+                    value=missing[0],
+                )
+        return super().adjust_request(request)
 
     # Request-dependent modes
 

@@ -93,3 +93,36 @@ def resolve_tool_refs(tools: Sequence[Any] | None) -> list[Any] | None:
             # A schema we cannot rewrite keeps stock behaviour (values stay strings).
             resolved.append(tool)
     return resolved
+
+
+def unresolved_local_refs(schema: dict[str, Any]) -> list[str]:
+    """Local `$ref`s ("#/...") in `schema` that point nowhere."""
+    missing: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and ref != "#" and _lookup_pointer(schema, ref) is None:
+                missing.append(ref)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(schema)
+    return missing
+
+
+def tool_parameters(tool: Any) -> tuple[str, dict[str, Any] | None]:
+    """(function name, parameters schema) of a Chat Completions or Responses function tool."""
+    function = getattr(tool, "function", None)
+    if function is None and isinstance(tool, dict):
+        function = tool.get("function", tool)
+    if isinstance(function, dict):
+        name, params = function.get("name"), function.get("parameters")
+    elif function is not None:
+        name, params = getattr(function, "name", None), getattr(function, "parameters", None)
+    else:
+        name, params = getattr(tool, "name", None), getattr(tool, "parameters", None)
+    return str(name or ""), params if isinstance(params, dict) else None
