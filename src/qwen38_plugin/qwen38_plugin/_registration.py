@@ -25,6 +25,34 @@ def _announce(message: str) -> None:
         print(f"INFO [qwen38_plugin] {message}", file=sys.stderr, flush=True)
 
 
+PORTABLE_ARCHITECTURE = "Qwen4ExpForCausalLM"
+PORTABLE_MODEL = "qwen38_plugin.vllm_model:PortableQwen4ExpForCausalLM"
+
+# QWEN38_FORCE_PORTABLE=1 serves Qwen4Exp with our portable model even where stock vLLM's own
+# implementation runs (CUDA >= 8.0 in bf16), to compare the two; =0 never replaces stock's.
+FORCE_ENV = "QWEN38_FORCE_PORTABLE"
+
+
+def portable_model_reason() -> str | None:
+    """Why this process should serve Qwen4Exp with the portable model, or None to leave stock's."""
+    forced = os.environ.get(FORCE_ENV, "").strip()
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{FORCE_ENV}={forced!r}: use 1 (always the portable model) or 0 (never)")
+    if forced == "1":
+        return f"{FORCE_ENV}=1"
+    if forced == "0":
+        return None
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "CPU platform"
+    if current_platform.is_cuda():
+        capability = current_platform.get_device_capability()
+        if capability is not None and capability.to_int() < 80:
+            return f"CUDA capability {capability.major}.{capability.minor} < 8.0"
+    return None
+
+
 def register_with_vllm() -> list[str]:
     import vllm
 
@@ -38,6 +66,13 @@ def register_with_vllm() -> list[str]:
     from qwen38_plugin.configs import register_alias_configs
 
     registered = [f"transformers config {name}" for name in register_alias_configs()]
+    reason = portable_model_reason()
+    if reason is not None:
+        from vllm import ModelRegistry
+
+        # A lazy "module:Class" reference: vLLM imports the model module only when it builds it.
+        ModelRegistry.register_model(PORTABLE_ARCHITECTURE, PORTABLE_MODEL)
+        registered.append(f"portable {PORTABLE_ARCHITECTURE} ({reason})")
 
     _announce(
         f"qwen38_plugin {__version__} registered in process {multiprocessing.current_process().name} "

@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+from qwen38_reference import load_reference, rel_err
 from transformers import AutoConfig
 
 from qwen38_plugin.model import CheckpointError, ConfigError, Qwen4ExpCore, greedy_generate, iter_safetensors
-
-from .reference import load_reference, rel_err
 
 EOS = 248046
 

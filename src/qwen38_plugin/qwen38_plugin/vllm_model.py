@@ -1,0 +1,382 @@
+"""The portable Qwen4Exp model inside vLLM: `Qwen4ExpCore` plus the wiring to vLLM's caches.
+
+vLLM's hybrid cache manager owns every state:
+- each `linear_attention` layer has one mamba-style state slot per request holding the GDN
+  conv state, the GDN recurrent state (fp32) and, when the model has PLE, the PLE conv state
+  and the n-gram context (int64) of that layer. The slot uses vLLM's GDN metadata (state
+  index per request, whether it continues from a state), so chunked prefill, prefix caching
+  (state copies in "align" mode) and preemption are vLLM's own;
+- each `indexed_attention` layer has a paged KV cache; per token it holds K, V and, in extra
+  "heads", the QSA indexer's raw key. Our small attention backend only turns vLLM's common
+  metadata into block tables and lengths; the attention itself is `ops.qsa`.
+
+This module imports vLLM; it is loaded only when vLLM builds the model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMambaPrefixCaching
+from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+
+from qwen38_plugin.model import ConfigError, Qwen4ExpCore, eos_id
+
+# ---------------------------------------------------------------------------------------------
+# State shapes (per request slot)
+# ---------------------------------------------------------------------------------------------
+
+
+def state_shapes(config: Any, tp_size: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Shapes of a `linear_attention` layer's state slot: GDN conv, GDN recurrent[, PLE conv, context]."""
+    for name, count in (("linear_num_key_heads", config.linear_num_key_heads),
+                        ("linear_num_value_heads", config.linear_num_value_heads)):  # fmt: skip
+        if count % tp_size:
+            raise ConfigError(f"{name}: {count} heads cannot be split over tensor_parallel_size={tp_size}")
+    k_heads, v_heads = config.linear_num_key_heads // tp_size, config.linear_num_value_heads // tp_size
+    conv_dim = 2 * k_heads * config.linear_key_head_dim + v_heads * config.linear_value_head_dim
+    shapes: tuple[tuple[int, ...], ...] = (
+        (conv_dim, config.linear_conv_kernel_dim - 1),
+        (v_heads, config.linear_key_head_dim, config.linear_value_head_dim),
+    )
+    if config.ple_layer_ids:
+        width = config.hc_count * config.hidden_size
+        shapes += ((width, (config.ple_conv_kernel_size - 1) * config.ngram_size), (config.ngram_size - 1,))
+    return shapes
+
+
+def state_dtypes(config: Any, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    # The recurrent state stays fp32 whatever the model dtype, as in the reference.
+    dtypes: tuple[torch.dtype, ...] = (dtype, torch.float32)
+    if config.ple_layer_ids:
+        dtypes += (dtype, torch.int64)
+    return dtypes
+
+
+def model_dtype(vllm_config: VllmConfig) -> torch.dtype:
+    dtype = vllm_config.model_config.dtype
+    assert isinstance(dtype, torch.dtype), f"unresolved model dtype {dtype!r}"
+    return dtype
+
+
+class LinearStateSlot(nn.Module, MambaBase):
+    """The vLLM-managed state slot of one `linear_attention` layer (no weights)."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.prefix = prefix
+        self._shapes = state_shapes(config, vllm_config.parallel_config.tensor_parallel_size)
+        self._dtypes = state_dtypes(config, model_dtype(vllm_config))
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        # vLLM's GDN metadata (state index per request, initial-state flags, decode/prefill
+        # split) is exactly what these states need; its kernels are not used.
+        return MambaAttentionBackendEnum.GDN_ATTN
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return self._shapes
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return self._dtypes
+
+
+# ---------------------------------------------------------------------------------------------
+# QSA KV cache: a minimal attention backend that only prepares metadata
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QSAMetadata:
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor  # [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # [num_actual_tokens]
+    num_actual_tokens: int
+
+
+class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
+    def __init__(
+        self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> QSAMetadata:
+        m = common_attn_metadata
+        num_reqs = m.num_reqs
+        return QSAMetadata(
+            query_start_loc=m.query_start_loc_cpu[: num_reqs + 1].tolist(),
+            seq_lens=m.seq_lens[:num_reqs].cpu().tolist(),
+            block_table=m.block_table_tensor[:num_reqs],
+            slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+            num_actual_tokens=m.num_actual_tokens,
+        )
+
+
+class QSANoImpl:
+    """vLLM asks every backend for an impl class; the QSA layer computes attention itself."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("the portable QSA backend has no standalone attention impl")
+
+
+class QSABackend(AttentionBackend):
+    accept_output_buffer = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> Any:
+        return QSANoImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[QSAMetadataBuilder]:
+        return QSAMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+
+class QSAKVCache(nn.Module, AttentionLayerBase):
+    """The paged KV cache of one `indexed_attention` layer (no weights).
+
+    Per token and KV head: K then V (``2 * head_dim``); ``index_heads`` extra heads carry the
+    indexer's raw key in their K half (zero-padded), so one block table serves both.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str, num_kv_heads: int) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.prefix = prefix
+        self.head_dim = config.head_dim
+        self.num_kv_heads = num_kv_heads
+        self.index_dim = config.indexer_head_dim if config.indexer_budget is not None else 0
+        self.index_heads = math.ceil(self.index_dim / self.head_dim)
+        self.dtype = model_dtype(vllm_config)
+        self.kv_cache: torch.Tensor = torch.empty(0)
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return QSABackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=self.num_kv_heads + self.index_heads,
+            head_size=self.head_dim,
+            dtype=self.dtype,
+        )
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        # vLLM hands a [blocks, heads, block_size, bytes] int8 view; reinterpret its bytes.
+        self.kv_cache = kv_cache.view(self.dtype)  # [blocks, heads, block_size, 2 * head_dim]
+
+    def token_view(self) -> torch.Tensor:
+        """``[blocks * block_size, heads, 2 * head_dim]`` indexed by slot (block * block_size + offset)."""
+        return self.kv_cache.permute(0, 2, 1, 3).flatten(0, 1)
+
+    def block_size(self) -> int:
+        return int(self.kv_cache.shape[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# The StateStore over vLLM's caches for one step
+# ---------------------------------------------------------------------------------------------
+
+
+class VllmStateStore:
+    def __init__(
+        self,
+        core: Qwen4ExpCore,
+        slots: dict[int, LinearStateSlot],
+        kv_layers: dict[int, QSAKVCache],
+        gdn_meta: Any,
+        qsa_meta: QSAMetadata | None,
+    ) -> None:
+        self.core, self.slots, self.kv_layers, self.qsa_meta = core, slots, kv_layers, qsa_meta
+        self.indices = gdn_meta.non_spec_state_indices_tensor if gdn_meta is not None else None
+        fresh = torch.zeros(0, dtype=torch.bool)
+        if gdn_meta is not None and gdn_meta.has_initial_state is not None:
+            # decodes (first) always continue; prefills continue iff they have computed tokens
+            fresh = torch.cat([
+                torch.zeros(gdn_meta.num_decodes, dtype=torch.bool),
+                ~gdn_meta.has_initial_state[gdn_meta.num_decodes :].cpu(),
+            ])  # fmt: skip
+        self.fresh = fresh
+
+    def _is_fresh(self, seq: int) -> bool:
+        return bool(seq < self.fresh.shape[0] and self.fresh[seq])
+
+    def recurrent(self, layer: int, kind: str, seqs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.indices is not None
+        states = self.slots[layer].kv_cache
+        idx = self.indices[list(seqs)].long()
+        pair = (states[0][idx], states[1][idx]) if kind == "gdn" else (states[3][idx], states[2][idx])
+        a, b = pair[0].clone(), pair[1].clone()
+        for i, s in enumerate(seqs):
+            if self._is_fresh(s):
+                fresh_a, fresh_b = self.core.fresh_state(layer, kind)
+                a[i], b[i] = fresh_a, fresh_b
+        return a, b
+
+    def set_recurrent(self, layer: int, kind: str, seqs: Sequence[int], a: torch.Tensor, b: torch.Tensor) -> None:
+        assert self.indices is not None
+        states = self.slots[layer].kv_cache
+        idx = self.indices[list(seqs)].long()
+        if kind == "gdn":
+            states[0][idx], states[1][idx] = a.to(states[0].dtype), b.to(states[1].dtype)
+        else:
+            states[3][idx], states[2][idx] = a.to(states[3].dtype), b.to(states[2].dtype)
+
+    def _slots(self, seq: int, start: int, end: int, cache: QSAKVCache) -> torch.Tensor:
+        assert self.qsa_meta is not None
+        positions = torch.arange(start, end)
+        size = cache.block_size()
+        blocks = self.qsa_meta.block_table[seq, positions // size].long()
+        return blocks * size + positions % size
+
+    def kv(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        assert self.qsa_meta is not None
+        m = self.qsa_meta
+        past = m.seq_lens[seq] - (m.query_start_loc[seq + 1] - m.query_start_loc[seq])
+        if past == 0:
+            return None, None, None
+        cache = self.kv_layers[layer]
+        rows = cache.token_view()[self._slots(seq, 0, past, cache)]  # [P, heads, 2D]
+        d, h = cache.head_dim, cache.num_kv_heads
+        keys = rows[:, h:, :d].flatten(1)[:, : cache.index_dim] if cache.index_dim else None
+        return rows[:, :h, :d], rows[:, :h, d:], keys
+
+    def append_kv(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor | None) -> None:
+        assert self.qsa_meta is not None
+        m = self.qsa_meta
+        cache = self.kv_layers[layer]
+        slots = m.slot_mapping[m.query_start_loc[seq] : m.query_start_loc[seq + 1]].long()
+        view = cache.token_view()
+        d, h = cache.head_dim, cache.num_kv_heads
+        rows = view[slots]
+        rows[:, :h, :d], rows[:, :h, d:] = k, v
+        if keys is not None:
+            padded = keys.new_zeros(keys.shape[0], cache.index_heads * d)
+            padded[:, : keys.shape[1]] = keys
+            rows[:, h:, :d] = padded.unflatten(1, (cache.index_heads, d))
+        view[slots] = rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The model class vLLM instantiates
+# ---------------------------------------------------------------------------------------------
+
+
+class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, SupportsMambaPrefixCaching):
+    """`Qwen4ExpForCausalLM` for vLLM on CPU, CUDA < 8.0 and fp16, built on the plain-torch ops."""
+
+    is_portable_qwen4exp: ClassVar[bool] = True
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        config = vllm_config.model_config.hf_text_config
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if tp != 1:
+            raise NotImplementedError(
+                f"tensor_parallel_size={tp}: the portable Qwen4Exp model runs unsharded for now; use "
+                "--tensor-parallel-size 1"
+            )
+        super().__init__(config)
+        self.eos = eos_id(config)
+        self._slots: dict[int, LinearStateSlot] = {}
+        self._kv: dict[int, QSAKVCache] = {}
+        # Not submodules: they carry no weights; vLLM finds them through the forward context.
+        for i, kind in enumerate(config.layer_types):
+            if kind == "linear_attention":
+                self._slots[i] = LinearStateSlot(vllm_config, f"{prefix}model.layers.{i}.linear_attn.state")
+            else:
+                self._kv[i] = QSAKVCache(vllm_config, f"{prefix}model.layers.{i}.self_attn.kv",
+                                         config.num_key_value_heads)  # fmt: skip
+
+    # -- vLLM's hybrid-model interface ----------------------------------------------------------
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> Any:
+        return state_shapes(vllm_config.model_config.hf_text_config, vllm_config.parallel_config.tensor_parallel_size)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
+        return state_dtypes(vllm_config.model_config.hf_text_config, model_dtype(vllm_config))
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple[Any, ...]:
+        # Every state is copied whole when a prefix-cache hit resumes from a cached block.
+        return (get_temporal_copy_spec,) * 4
+
+    # -- forward --------------------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if inputs_embeds is not None:
+            raise NotImplementedError("the portable Qwen4Exp model needs token ids (PLE hashes them)")
+        hidden = self.lm_head.weight.new_zeros(input_ids.shape[0], self.config.hidden_size)
+        metadata: Any = get_forward_context().attn_metadata
+        if not metadata:  # profiling / warm-up run: no requests, no states
+            return hidden
+        assert isinstance(metadata, dict)
+        gdn_meta: Any = metadata.get(self._slots[min(self._slots)].prefix) if self._slots else None
+        qsa_meta: Any = metadata.get(self._kv[min(self._kv)].prefix) if self._kv else None
+        if qsa_meta is not None:
+            query_start_loc = qsa_meta.query_start_loc
+            num_tokens = qsa_meta.num_actual_tokens
+        else:
+            assert gdn_meta is not None
+            query_start_loc = gdn_meta.non_spec_query_start_loc.cpu().tolist()
+            num_tokens = gdn_meta.num_actual_tokens
+        query_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
+        query_lens = [n for n in query_lens if n > 0]
+        num_tokens = sum(query_lens)
+        store = VllmStateStore(self, self._slots, self._kv, gdn_meta, qsa_meta)
+        hidden[:num_tokens] = self.forward_step(input_ids[:num_tokens], positions[:num_tokens], query_lens, store)
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return self.load_checkpoint_tensors(weights)

@@ -1,0 +1,32 @@
+"""Where the plugin takes Qwen4ExpForCausalLM over from stock vLLM, and the documented switch."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwen38_plugin import _registration
+
+
+def test_cpu_platform_takes_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_registration.FORCE_ENV, raising=False)
+    assert _registration.portable_model_reason() == "CPU platform"
+
+
+def test_switch_forces_or_forbids_the_portable_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_registration.FORCE_ENV, "1")
+    assert _registration.portable_model_reason() == "QWEN38_FORCE_PORTABLE=1"
+    monkeypatch.setenv(_registration.FORCE_ENV, "0")
+    assert _registration.portable_model_reason() is None
+    monkeypatch.setenv(_registration.FORCE_ENV, "yes")
+    with pytest.raises(ValueError, match="QWEN38_FORCE_PORTABLE"):
+        _registration.portable_model_reason()
+
+
+def test_registry_resolves_the_architecture_to_the_portable_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm import ModelRegistry
+
+    monkeypatch.delenv(_registration.FORCE_ENV, raising=False)
+    registered = _registration.register_with_vllm()
+    assert any("portable Qwen4ExpForCausalLM (CPU platform)" in r for r in registered)
+    model_cls = ModelRegistry._try_load_model_cls("Qwen4ExpForCausalLM")
+    assert getattr(model_cls, "is_portable_qwen4exp", False)
