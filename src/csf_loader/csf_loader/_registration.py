@@ -35,9 +35,27 @@ def register_with_vllm() -> list[str]:
             f"found vLLM {vllm.__version__}: install a supported vLLM or remove csf_loader "
             f"from VLLM_PLUGINS."
         )
-    # The CSF quantization configs and loader land here; until then the plugin
-    # loads and registers nothing.
     registered: list[str] = []
+
+    # The "csf" load format: stock's safetensors loader with CSF pairs decoded.
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from csf_loader.vllm_loader import LOAD_FORMAT, CsfModelLoader
+
+    register_model_loader(LOAD_FORMAT)(CsfModelLoader)
+    registered.append(f"load format {LOAD_FORMAT!r}")
+
+    # Stock ships an NVFP4 emulation kernel but lists it for CUDA and ROCm only; on the
+    # CPU platform register it through stock's kernel registry so NVFP4 (and NVFP4-CSF)
+    # checkpoints run there. Only the platform check runs here; nothing touches a GPU.
+    from vllm.platforms import PlatformEnum, current_platform
+
+    if current_platform.is_cpu():
+        from vllm.model_executor.kernels.linear import register_linear_kernel
+        from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+
+        register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
+        registered.append("NVFP4 emulation linear kernel for CPU")
 
     _announce(
         f"csf_loader {__version__} registered in process {multiprocessing.current_process().name} "

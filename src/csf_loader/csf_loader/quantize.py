@@ -126,7 +126,7 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, input_scale: float = 1.0
             "quant_algo": "NVFP4",
             "group_size": 16,
             "kv_cache_quant_algo": None,
-            "exclude_modules": ["lm_head"],
+            "ignore": ["lm_head"],  # config.json spelling (hf_quant_config.json says exclude_modules)
         }
     else:
         config["quantization_config"] = {"quant_method": "mxfp4", "group_size": 32}

@@ -1,0 +1,179 @@
+"""The ``csf`` load format: stock vLLM's safetensors loader plus CSF scale decoding.
+
+Imported only from ``register_with_vllm`` (it imports vLLM). The loader is stock's
+``DefaultModelLoader``; the only change is its weight stream: every
+``<name>.nvfp4_csf_fixed`` / ``<name>.nvfp4_csf_exceptions`` pair is decoded
+(``csf_loader.codec``, bit-exact, validated) into the plain E4M3 tensor ``<name>``
+the source checkpoint had, so the model's own ``load_weights`` and stock's NVFP4
+methods receive exactly the source bytes and do their usual TP slicing. Stock's
+ModelOpt ``MIXED_PRECISION`` config reads the CSF ``config.json`` unchanged (it
+ignores ``weight_scale_encoding``).
+
+Startup checks (each error names the tensor, and the shard when known):
+* a stream without its partner, a base above 240, an exception outside the plane,
+  wrong dtypes / shapes (codec validation);
+* missing parameters (weights tracking on by default, also for quantized models);
+  unexpected tensors are refused by the model's own ``AutoWeightsLoader``;
+* expert parallelism (the TP-sliced scale planes assume every rank holds every
+  expert);
+* TP extents that do not keep whole 16-row slabs / nibble pairs of a compressed
+  plane (see ``check_tp_geometry``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from collections.abc import Generator, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from csf_loader.codec import NVFP4_CSF, SLAB_ROWS, CsfFormatError, CsfPlane, decode
+
+logger = logging.getLogger("vllm.plugins.csf_loader")
+
+LOAD_FORMAT = "csf"
+FIXED, EXCEPTIONS = NVFP4_CSF.fixed_suffix, NVFP4_CSF.exceptions_suffix
+
+
+class CsfLoadError(ValueError):
+    """A CSF checkpoint cannot be loaded; the message names the tensor and file."""
+
+
+def nvfp4_logical_shape(fixed: torch.Tensor, where: str) -> tuple[int, int]:
+    if fixed.dim() != 2 or fixed.shape[1] % SLAB_ROWS or fixed.shape[1] < 2 * SLAB_ROWS:
+        raise CsfLoadError(f"{where}{FIXED}: shape {list(fixed.shape)} is not [rows / 16, 16 * (1 + cols / 2)]")
+    return fixed.shape[0] * SLAB_ROWS, (fixed.shape[1] // SLAB_ROWS - 1) * 2
+
+
+def decode_csf_stream(
+    weights: Iterable[tuple[str, torch.Tensor]], shard_of: dict[str, str] | None = None
+) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """Replace every NVFP4-CSF pair in a weight stream by its decoded E4M3 tensor."""
+    shard_of = shard_of or {}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    planes = 0
+    seconds = 0.0
+    decoded_bytes = 0
+    for name, tensor in weights:
+        suffix = FIXED if name.endswith(FIXED) else EXCEPTIONS if name.endswith(EXCEPTIONS) else None
+        if suffix is None:
+            yield name, tensor
+            continue
+        base = name[: -len(suffix)]
+        parts = pending.setdefault(base, {})
+        parts[suffix] = tensor
+        if len(parts) < 2:
+            continue
+        del pending[base]
+        where = f"{shard_of.get(name, '?')}: {base}"
+        started = time.perf_counter()
+        rows, cols = nvfp4_logical_shape(parts[FIXED], where)
+        try:
+            scales = decode(CsfPlane(parts[FIXED], parts[EXCEPTIONS]), NVFP4_CSF, rows, cols, what=where)
+        except CsfFormatError as exc:
+            raise CsfLoadError(str(exc)) from None
+        seconds += time.perf_counter() - started
+        planes += 1
+        decoded_bytes += scales.numel()
+        yield base, scales.view(torch.float8_e4m3fn)
+    if pending:
+        base, parts = next(iter(pending.items()))
+        present = next(iter(parts))
+        missing = FIXED if present == EXCEPTIONS else EXCEPTIONS
+        raise CsfLoadError(
+            f"{shard_of.get(base + present, '?')}: {base}{present} has no partner {base}{missing} "
+            f"({len(pending)} unpaired CSF stream(s))"
+        )
+    if planes:
+        logger.info(
+            "csf_loader: decoded %d NVFP4-CSF scale planes (%.1f MB) in %.3f s", planes, decoded_bytes / 1e6, seconds
+        )
+
+
+def shard_index(model_dir: str) -> dict[str, str]:
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if not index.is_file():
+        return {}
+    weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
+    return weight_map
+
+
+def csf_planes(model_dir: str) -> dict[str, str]:
+    """Scale names stored as CSF pairs (from the index), with their shard."""
+    return {n[: -len(FIXED)]: s for n, s in shard_index(model_dir).items() if n.endswith(FIXED)}
+
+
+def check_parallel_config() -> None:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is not None and config.parallel_config.enable_expert_parallel:
+        raise CsfLoadError(
+            "csf_loader: expert parallelism is not supported for CSF checkpoints: the compressed "
+            "expert scale planes are sliced by tensor parallelism, with every rank holding every "
+            "expert; run without --enable-expert-parallel"
+        )
+
+
+def check_tp_geometry(model: nn.Module, planes: dict[str, str], tp_size: int) -> None:
+    """Refuse TP sizes that cut a compressed plane inside a 16-row slab or a nibble pair.
+
+    Column-parallel layers split the scale rows (output channels): each rank needs a
+    multiple of 16 rows, i.e. of 16 output channels. Row-parallel layers split the
+    scale columns (input channels / 16): each rank needs an even count, i.e. a
+    multiple of 32 input channels.
+    """
+    if tp_size == 1 or not planes:
+        return
+    for module_name, module in model.named_modules():
+        scale = getattr(module, "weight_scale", None)
+        if not isinstance(scale, torch.Tensor) or scale.dim() != 2:
+            continue
+        rows, cols = scale.shape
+        layer = module_name
+        if rows % SLAB_ROWS:
+            raise CsfLoadError(
+                f"csf_loader: TP={tp_size} gives {layer} {rows} output channels per rank; NVFP4-CSF needs a "
+                f"multiple of {SLAB_ROWS} per rank (whole 16-row slabs). Use a TP size that divides it."
+            )
+        if cols % 2:
+            raise CsfLoadError(
+                f"csf_loader: TP={tp_size} gives {layer} {cols * 16} input channels per rank; NVFP4-CSF needs "
+                f"a multiple of 32 per rank (whole bytes of two 4-bit codes). Use a TP size that divides it."
+            )
+
+
+class CsfModelLoader(DefaultModelLoader):
+    """Stock safetensors loading with NVFP4-CSF pairs decoded into plain E4M3 scales."""
+
+    def __init__(self, load_config: Any) -> None:
+        # Stock's file discovery dispatches on the load format name; a CSF checkpoint is
+        # plain safetensors on disk, so the parent sees a copy that says so.
+        own = copy.copy(load_config)
+        own.load_format = "safetensors"
+        super().__init__(own)
+        # Missing tensors must fail at startup for quantized checkpoints too (R40).
+        if self.enable_weights_track is None:
+            self.enable_weights_track = True
+
+    def get_all_weights(
+        self, model_config: ModelConfig, model: nn.Module
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        shard_of = shard_index(model_config.model)
+        yield from decode_csf_stream(super().get_all_weights(model_config, model), shard_of)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        check_parallel_config()
+        planes = csf_planes(model_config.model)
+        check_tp_geometry(model, planes, get_tensor_model_parallel_world_size())
+        super().load_weights(model, model_config)

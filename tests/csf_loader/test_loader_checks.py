@@ -1,0 +1,103 @@
+"""Startup checks of the `csf` load format: bad streams, TP geometry, expert parallelism, registration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from csf_loader.codec import NVFP4_CSF, encode
+from csf_loader.vllm_loader import CsfLoadError, check_tp_geometry, decode_csf_stream
+
+
+def stream_for(name: str, scales: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    plane = encode(scales, NVFP4_CSF)
+    return [(name + ".nvfp4_csf_fixed", plane.fixed), (name + ".nvfp4_csf_exceptions", plane.exceptions)]
+
+
+def scales(seed: int, rows: int = 32, cols: int = 8) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(90, 130, (rows, cols), generator=g).to(torch.uint8)
+
+
+def test_stream_decodes_pairs_and_passes_other_tensors_through() -> None:
+    w = torch.arange(6, dtype=torch.bfloat16)
+    s = scales(1)
+    out = dict(decode_csf_stream([("a.weight", w), *stream_for("a.weight_scale", s)]))
+    assert set(out) == {"a.weight", "a.weight_scale"}
+    assert out["a.weight"] is w
+    assert out["a.weight_scale"].dtype == torch.float8_e4m3fn
+    assert torch.equal(out["a.weight_scale"].view(torch.uint8), s)
+
+
+def test_stream_without_partner_names_tensor_and_shard() -> None:
+    fixed = stream_for("m.layers.0.mlp.down_proj.weight_scale", scales(2))[:1]
+    with pytest.raises(
+        CsfLoadError, match=r"model-1.safetensors: m.layers.0.mlp.down_proj.weight_scale.nvfp4_csf_fixed has no partner"
+    ):
+        list(decode_csf_stream(fixed, {fixed[0][0]: "model-1.safetensors"}))
+
+
+def test_base_above_limit_and_exception_outside_plane_fail_naming_tensor() -> None:
+    name = "m.layers.1.self_attn.o_proj.weight_scale"
+    (fn, fixed), (en, words) = stream_for(name, scales(3))
+    bad = fixed.clone()
+    bad[1, 2] = 241  # base of row 18
+    with pytest.raises(CsfLoadError, match=rf"{name}.nvfp4_csf_fixed: row 18 has base 241 above"):
+        list(decode_csf_stream([(fn, bad), (en, words)]))
+    outside = torch.tensor([32 * 8 | (7 << 24)], dtype=torch.uint32)
+    with pytest.raises(CsfLoadError, match=rf"{name}.nvfp4_csf_exceptions: exception position 256 lies outside"):
+        list(decode_csf_stream([(fn, fixed), (en, outside)]))
+    with pytest.raises(CsfLoadError, match=r"dtype torch.int64, expected torch.uint32"):
+        list(decode_csf_stream([(fn, fixed), (en, words.to(torch.int64))]))
+
+
+class FakeLinear(nn.Module):
+    """A module carrying a rank-local NVFP4 scale parameter, as stock's linear methods create."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.weight_scale = nn.Parameter(torch.zeros(rows, cols, dtype=torch.float8_e4m3fn), requires_grad=False)
+
+
+def test_tp_geometry_refusal_names_layer_and_constraint() -> None:
+    model = nn.Module()
+    model.ok = FakeLinear(64, 8)
+    check_tp_geometry(model, {"x": "s"}, 2)
+    model.down = FakeLinear(64, 3)
+    with pytest.raises(CsfLoadError, match=r"TP=4 gives down 48 input channels per rank; .* multiple of 32"):
+        check_tp_geometry(model, {"x": "s"}, 4)
+    model2 = nn.Module()
+    model2.qkv = FakeLinear(40, 8)
+    with pytest.raises(CsfLoadError, match=r"qkv 40 output channels per rank; .* multiple of 16"):
+        check_tp_geometry(model2, {"x": "s"}, 2)
+
+
+def test_register_is_idempotent_and_lists_what_it_registered() -> None:
+    code = (
+        "import csf_loader\n"
+        "a = csf_loader.register(); b = csf_loader.register()\n"
+        "assert a is b, (a, b)\n"
+        "from vllm.model_executor.model_loader import get_model_loader\n"
+        "from vllm.config.load import LoadConfig\n"
+        "print(type(get_model_loader(LoadConfig(load_format='csf'))).__name__, a)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert "CsfModelLoader" in out.stdout
+    assert "load format 'csf'" in out.stdout and "NVFP4 emulation linear kernel for CPU" in out.stdout
+
+
+def test_expert_parallelism_is_refused_with_a_message() -> None:
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+
+    from csf_loader.vllm_loader import check_parallel_config
+
+    ep = VllmConfig(parallel_config=ParallelConfig(enable_expert_parallel=True))
+    refused = pytest.raises(CsfLoadError, match="expert parallelism is not supported for CSF checkpoints")
+    with set_current_vllm_config(ep), refused:
+        check_parallel_config()
+    with set_current_vllm_config(VllmConfig(parallel_config=ParallelConfig())):
+        check_parallel_config()
