@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -101,3 +104,53 @@ def test_expert_parallelism_is_refused_with_a_message() -> None:
         check_parallel_config()
     with set_current_vllm_config(VllmConfig(parallel_config=ParallelConfig())):
         check_parallel_config()
+
+
+def test_mxfp4_container_stream_yields_the_source_tensors(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from csf_loader.convert import main as csf_convert
+    from csf_loader.vllm_loader import mxfp4_container_stream
+    from tests.csf_loader.test_convert import make_mxfp4_moe
+
+    src = make_mxfp4_moe(tmp_path / "src")
+    dst = tmp_path / "csf"
+    assert csf_convert(["encode", str(src), str(dst), "--quiet"]) == 0
+    got = dict(mxfp4_container_stream(dst))
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        expected = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_mxfp4_container_contract_violations_fail_at_startup(tmp_path: Path) -> None:
+    from csf_loader.convert import main as csf_convert
+    from csf_loader.vllm_loader import read_mxfp4_contract
+    from tests.csf_loader.test_convert import make_mxfp4_moe
+
+    src = make_mxfp4_moe(tmp_path / "src")
+    dst = tmp_path / "csf"
+    assert csf_convert(["encode", str(src), str(dst), "--quiet"]) == 0
+    read_mxfp4_contract(dst)
+    manifest_path, contract_path = dst / "manifest.json", dst / "build-contract.json"
+    manifest, contract = json.loads(manifest_path.read_text()), json.loads(contract_path.read_text())
+
+    def rewrite(m: dict[str, Any], c: dict[str, Any]) -> None:
+        manifest_path.write_text(json.dumps(m))
+        contract_path.write_text(json.dumps(c))
+
+    rewrite({**manifest, "schema": "lil-x4t-checkpoint/1"}, contract)
+    with pytest.raises(CsfLoadError, match=r"manifest.json: schema 'lil-x4t-checkpoint/1'; this reader accepts only"):
+        read_mxfp4_contract(dst)
+    narrow = {**manifest, "compressed_layers": [2, 3]}
+    rewrite(narrow, {**contract, "compressed_layers": [2, 3]})
+    with pytest.raises(CsfLoadError, match=r"model.layers.1.mlp.experts.0.w1.scale lies outside .* \[2, 3\)"):
+        read_mxfp4_contract(dst)
+    rewrite({**manifest, "shards": [*manifest["shards"], {"file": "model-2.safetensors"}]}, contract)
+    with pytest.raises(CsfLoadError, match=r"names shard model-2.safetensors, missing from"):
+        read_mxfp4_contract(dst)
+    rewrite({**manifest, "family": "other"}, contract)
+    with pytest.raises(CsfLoadError, match="must name the same model family"):
+        read_mxfp4_contract(dst)

@@ -45,6 +45,14 @@ def register_with_vllm() -> list[str]:
     register_model_loader(LOAD_FORMAT)(CsfModelLoader)
     registered.append(f"load format {LOAD_FORMAT!r}")
 
+    # "mxfp4_csf": the quant_method an MXFP4-CSF container's config.json names.
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from csf_loader.vllm_loader import make_mxfp4_csf_config
+
+    register_quantization_config("mxfp4_csf")(make_mxfp4_csf_config())
+    registered.append("quantization 'mxfp4_csf'")
+
     # Stock ships an NVFP4 emulation kernel but lists it for CUDA and ROCm only; on the
     # CPU platform register it through stock's kernel registry so NVFP4 (and NVFP4-CSF)
     # checkpoints run there. Only the platform check runs here; nothing touches a GPU.

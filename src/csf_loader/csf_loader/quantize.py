@@ -82,7 +82,13 @@ def quantize_mxfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def quantize_checkpoint(src: Path, dst: Path, fmt: str, input_scale: float = 1.0 / 448.0) -> list[str]:
+def quantize_checkpoint(
+    src: Path,
+    dst: Path,
+    fmt: str,
+    input_scale: float = 1.0 / 448.0,
+    linear_suffixes: tuple[str, ...] = LINEAR_SUFFIXES,
+) -> list[str]:
     """Quantize the decoder linears of a bf16 HF checkpoint directory; return their module names.
 
     NVFP4 writes ModelOpt tensors (``weight``, ``weight_scale``, ``weight_scale_2``,
@@ -103,7 +109,7 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, input_scale: float = 1.0
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 t = f.get_tensor(name)
                 module = name.removesuffix(".weight")
-                if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES and t.dim() == 2:
+                if name.endswith(".weight") and module.rsplit(".", 1)[-1] in linear_suffixes and t.dim() == 2:
                     modules.append(module)
                     if fmt == "nvfp4":
                         q = quantize_nvfp4(t)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import time
 from collections.abc import Generator, Iterable
 from pathlib import Path
@@ -35,7 +36,7 @@ from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from csf_loader.codec import NVFP4_CSF, SLAB_ROWS, CsfFormatError, CsfPlane, decode
+from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS, CsfFormatError, CsfPlane, decode
 
 logger = logging.getLogger("vllm.plugins.csf_loader")
 
@@ -151,6 +152,103 @@ def check_tp_geometry(model: nn.Module, planes: dict[str, str], tp_size: int) ->
             )
 
 
+MXFP4_SCHEMA = "lil-mxfp4-csf-checkpoint/1"
+LAYER_PATTERN = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def is_mxfp4_container(model_dir: str) -> bool:
+    return (Path(model_dir) / "manifest.json").is_file()
+
+
+def read_mxfp4_contract(root: Path) -> dict[str, Any]:
+    """Validate manifest.json / build-contract.json / receipts of an MXFP4-CSF container.
+
+    Returns {"shards": [...], "receipts": {shard: receipt}, "layers": (first, end)}.
+    """
+    docs = {}
+    for doc in ("manifest.json", "build-contract.json"):
+        path = root / doc
+        if not path.is_file():
+            raise CsfLoadError(f"{path}: missing from the MXFP4-CSF container")
+        docs[doc] = json.loads(path.read_text())
+    manifest, contract = docs["manifest.json"], docs["build-contract.json"]
+    for key, expected in (("schema", MXFP4_SCHEMA), ("codec", MXFP4_CSF.name)):
+        for doc, data in docs.items():
+            if data.get(key) != expected:
+                raise CsfLoadError(f"{root / doc}: {key} {data.get(key)!r}; this reader accepts only {expected!r}")
+    if manifest.get("family") != contract.get("family") or not manifest.get("family"):
+        raise CsfLoadError(f"{root}: manifest.json and build-contract.json must name the same model family")
+    layers = manifest.get("compressed_layers")
+    if layers != contract.get("compressed_layers") or not isinstance(layers, list) or len(layers) != 2:
+        raise CsfLoadError(f"{root}: the family's compressed layer range differs between manifest and contract")
+    shards = [item["file"] for item in manifest.get("shards", [])]
+    receipts = {}
+    for name in shards:
+        if Path(name).name != name or not name.endswith(".safetensors"):
+            raise CsfLoadError(f"{root / 'manifest.json'}: shard name {name!r} is not a local safetensors file")
+        if not (root / "tensors" / name).is_file():
+            raise CsfLoadError(f"{root / 'manifest.json'}: names shard {name}, missing from {root / 'tensors'}")
+        receipt = root / "receipts" / f"{name}.json"
+        if not receipt.is_file():
+            raise CsfLoadError(f"{receipt}: receipt for shard {name} is missing")
+        receipts[name] = json.loads(receipt.read_text())
+    if set(contract.get("source_names", {}).values()) - set(shards):
+        raise CsfLoadError(f"{root}: build-contract.json maps tensors to shards the manifest does not list")
+    first, end = int(layers[0]), int(layers[1])
+    for name, receipt in receipts.items():
+        for tensor in receipt.get("tensors", {}):
+            m = LAYER_PATTERN.search(tensor)
+            if m is None or not first <= int(m.group(1)) < end:
+                raise CsfLoadError(
+                    f"{root / 'tensors' / name}: compressed tensor {tensor} lies outside the family's compressed "
+                    f"layer range [{first}, {end})"
+                )
+    return {"shards": shards, "receipts": receipts, "layers": (first, end)}
+
+
+def mxfp4_container_stream(root: Path) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """Source-named tensors of an MXFP4-CSF container, compressed scales decoded."""
+    from safetensors import safe_open
+
+    contract = read_mxfp4_contract(root)
+    fixed_sfx, exc_sfx = MXFP4_CSF.fixed_suffix, MXFP4_CSF.exceptions_suffix
+    for shard in contract["shards"]:
+        path = root / "tensors" / shard
+        compressed: dict[str, Any] = contract["receipts"][shard].get("tensors", {})
+        with safe_open(str(path), "pt") as f:
+            names = list(f.keys())
+            present = set(names)
+            for name in names:
+                if name.endswith(exc_sfx):
+                    continue
+                if not name.endswith(fixed_sfx):
+                    if name in compressed:
+                        raise CsfLoadError(f"{path}: {name} is stored uncompressed but its receipt says compressed")
+                    yield name, f.get_tensor(name)
+                    continue
+                base = name[: -len(fixed_sfx)]
+                if base + exc_sfx not in present:
+                    raise CsfLoadError(f"{path}: {name} has no partner {base}{exc_sfx}")
+                if base not in compressed:
+                    raise CsfLoadError(f"{path}: {base} is compressed but has no receipt entry (shape unknown)")
+                shape = tuple(compressed[base]["shape"])
+                rows = 1
+                for d in shape[:-1]:
+                    rows *= d
+                plane = CsfPlane(f.get_tensor(name), f.get_tensor(base + exc_sfx))
+                try:
+                    scales = decode(plane, MXFP4_CSF, rows, shape[-1], what=f"{path}: {base}")
+                except CsfFormatError as exc:
+                    raise CsfLoadError(str(exc)) from None
+                out = scales.reshape(shape)
+                if compressed[base].get("dtype") == "F8_E8M0":
+                    out = out.view(torch.float8_e8m0fnu)
+                yield base, out
+            for name in present:
+                if name.endswith(exc_sfx) and name[: -len(exc_sfx)] + fixed_sfx not in present:
+                    raise CsfLoadError(f"{path}: {name} has no partner {name[: -len(exc_sfx)]}{fixed_sfx}")
+
+
 class CsfModelLoader(DefaultModelLoader):
     """Stock safetensors loading with NVFP4-CSF pairs decoded into plain E4M3 scales."""
 
@@ -167,8 +265,17 @@ class CsfModelLoader(DefaultModelLoader):
     def get_all_weights(
         self, model_config: ModelConfig, model: nn.Module
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        if is_mxfp4_container(model_config.model):
+            yield from mxfp4_container_stream(Path(model_config.model))
+            return
         shard_of = shard_index(model_config.model)
         yield from decode_csf_stream(super().get_all_weights(model_config, model), shard_of)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        if is_mxfp4_container(model_config.model):
+            read_mxfp4_contract(Path(model_config.model))  # local only: validate at startup
+            return
+        super().download_model(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         from vllm.distributed import get_tensor_model_parallel_world_size
@@ -177,3 +284,30 @@ class CsfModelLoader(DefaultModelLoader):
         planes = csf_planes(model_config.model)
         check_tp_geometry(model, planes, get_tensor_model_parallel_world_size())
         super().load_weights(model, model_config)
+
+
+def make_mxfp4_csf_config() -> type:
+    """``mxfp4_csf``: stock's ``Mxfp4Config`` under the name a CSF container's config.json uses.
+
+    The container decodes to the source MXFP4 tensors (``csf`` load format), so stock's
+    MXFP4 methods are used unchanged; this class only lets vLLM accept
+    ``quant_method: mxfp4_csf`` and refuses expert parallelism at startup.
+    """
+    from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
+
+    class Mxfp4CsfConfig(Mxfp4Config):
+        @classmethod
+        def get_name(cls) -> Any:  # stock types this as a Literal of its own method names
+            return "mxfp4_csf"
+
+        @classmethod
+        def override_quantization_method(cls, hf_quant_cfg: Any, user_quant: Any, hf_config: Any = None) -> Any:
+            if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == "mxfp4_csf":
+                return "mxfp4_csf"
+            return None
+
+        def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
+            check_parallel_config()
+            return super().get_quant_method(layer, prefix)
+
+    return Mxfp4CsfConfig
