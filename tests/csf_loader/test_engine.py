@@ -1,0 +1,86 @@
+"""NVFP4-CSF through a real stock vLLM engine on CPU at TP=2: same tensors per rank, same logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from csf_loader.convert import main as csf_convert
+from csf_loader.quantize import quantize_checkpoint
+
+SCRIPT = Path(__file__).with_name("engine_run.py")
+LOCK = "/tmp/qwen38-vllm.lock"
+
+
+def run_engine(model: Path, tp: int, load_format: str, out: Path) -> dict[str, Any]:
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+    )
+    cmd = ["flock", LOCK, sys.executable, str(SCRIPT), str(model), str(tp), load_format, str(out)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    data: dict[str, Any] = json.loads(out.read_text())
+    data["log"] = result.stdout + result.stderr
+    return data
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("csf_engine")
+    source = root / "nvfp4"
+    quantize_checkpoint(Path(tiny_checkpoint("qwen3")), source, "nvfp4")
+    csf = root / "nvfp4_csf"
+    assert csf_convert(["encode", str(source), str(csf), "--scope", "all", "--quiet"]) == 0
+    return {
+        "source_dir": source,
+        "source": run_engine(source, 2, "auto", root / "source.json"),
+        "csf": run_engine(csf, 2, "csf", root / "csf.json"),
+    }
+
+
+def test_csf_engine_logits_equal_uncompressed(engines: dict[str, Any]) -> None:
+    src, csf = engines["source"], engines["csf"]
+    assert "decoded 14 NVFP4-CSF scale planes" in csf["log"]
+    assert csf["tokens"] == src["tokens"]
+    assert csf["logprobs"] == src["logprobs"]  # exact: same bytes reach the same kernels
+
+
+def test_every_rank_holds_the_source_slices(engines: dict[str, Any]) -> None:
+    src, csf = engines["source"], engines["csf"]
+    assert len(csf["ranks"]) == 2
+    # Every parameter on every rank is byte-identical to the uncompressed load.
+    for rank_src, rank_csf in zip(src["ranks"], csf["ranks"], strict=True):
+        assert {k: v["sha256"] for k, v in rank_csf.items()} == {k: v["sha256"] for k, v in rank_src.items()}
+    # And each rank's scales are its TP slice of the source checkpoint's E4M3 bytes.
+    with safe_open(str(engines["source_dir"] / "model.safetensors"), "pt") as f:
+        source = {k: f.get_tensor(k).view(torch.uint8).tolist() for k in f.keys() if k.endswith("weight_scale")}  # noqa: SIM118
+    for layer in (0, 1):
+        p = f"model.layers.{layer}"
+        q, k, v = (source[f"{p}.self_attn.{n}_proj.weight_scale"] for n in "qkv")
+        o = source[f"{p}.self_attn.o_proj.weight_scale"]
+        gate, up = source[f"{p}.mlp.gate_proj.weight_scale"], source[f"{p}.mlp.up_proj.weight_scale"]
+        down = source[f"{p}.mlp.down_proj.weight_scale"]
+        hq, hm, oc, dc = len(q) // 2, len(gate) // 2, len(o[0]) // 2, len(down[0]) // 2
+        for r, rank in enumerate(csf["ranks"]):
+            # One KV head at TP=2: vLLM replicates it on both ranks.
+            assert rank_scale(rank, f"{p}.self_attn.qkv_proj") == q[r * hq : (r + 1) * hq] + k + v
+            assert rank_scale(rank, f"{p}.mlp.gate_up_proj") == gate[r * hm : (r + 1) * hm] + up[r * hm : (r + 1) * hm]
+            assert rank_scale(rank, f"{p}.self_attn.o_proj") == [row[r * oc : (r + 1) * oc] for row in o]
+            assert rank_scale(rank, f"{p}.mlp.down_proj") == [row[r * dc : (r + 1) * dc] for row in down]
+
+
+def rank_scale(rank: dict[str, Any], module: str) -> list[list[int]]:
+    entry = rank[f"{module}.weight_scale"]
+    rows, cols = entry["shape"]
+    return [entry["bytes"][i * cols : (i + 1) * cols] for i in range(rows)]
