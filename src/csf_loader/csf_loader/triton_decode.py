@@ -108,48 +108,53 @@ if HAVE_TRITON:
         unit_ptr,
         out_ptr,
         rows,
-        cols,
-        packed_cols,
+        words_per_row,
+        unit_row_stride,
+        slab_units,
         OFFSET_BITS: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_W: tl.constexpr,
+        WIDE: tl.constexpr,
     ):
         # Needs cols % 8 == 0. Each thread turns one packed unit (NVFP4: a 32-bit word of
         # 8 nibbles; MXFP4: a byte of 8 bits) into one 64-bit word of 8 offsets, one per
         # byte, by spreading the bits, then adds the row base to all 8 bytes at once
         # (base + offset <= 255, so no byte carries into the next). Loads and stores
-        # are whole words: no per-byte gathers, no layout shuffles.
+        # are whole words: no per-byte gathers, no layout shuffles. Strides arrive as
+        # arguments (in units of the pointer's type) so Triton can specialise on their
+        # divisibility and vectorise; WIDE selects 64-bit offsets for huge planes.
         pid_r = tl.program_id(0)
         pid_w = tl.program_id(1)
         r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        if WIDE:
+            r = r.to(tl.int64)
         row_ok = r < rows
-        slab_start = (r // 16).to(tl.int64) * (16 * (1 + packed_cols))
+        slab_start = (r // 16) * slab_units
         in_slab = r % 16
         # unit_ptr is the fixed stream as int32 (NVFP4) or uint8 (MXFP4); one pointer
         # only, since the interpreter cannot pass two views of one buffer.
         if OFFSET_BITS == 4:
-            packed_base = tl.load(unit_ptr + slab_start // 4 + in_slab // 4, mask=row_ok, other=0)
+            packed_base = tl.load(unit_ptr + slab_start + in_slab // 4, mask=row_ok, other=0)
             base = ((packed_base.to(tl.uint32, bitcast=True) >> ((in_slab % 4) * 8)) & 0xFF).to(tl.uint64)
+            row_codes = slab_start + 4 + in_slab * unit_row_stride
         else:
             base = tl.load(unit_ptr + slab_start + in_slab, mask=row_ok, other=0).to(tl.uint64)
-        words_per_row = cols // 8  # NVFP4: packed_cols // 4 int32 units; MXFP4: packed_cols bytes
+            row_codes = slab_start + 16 + in_slab * unit_row_stride
         w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
         ok = row_ok[:, None] & (w < words_per_row)[None, :]
-        row_codes = slab_start + 16 + in_slab.to(tl.int64) * packed_cols
+        unit = tl.load(unit_ptr + row_codes[:, None] + w[None, :], mask=ok, other=0)
         if OFFSET_BITS == 4:
-            unit = tl.load(unit_ptr + (row_codes // 4)[:, None] + w[None, :], mask=ok, other=0)
             x = unit.to(tl.uint32, bitcast=True).to(tl.uint64)
             x = (x | (x << 16)) & 0x0000FFFF0000FFFF
             x = (x | (x << 8)) & 0x00FF00FF00FF00FF
             x = (x | (x << 4)) & 0x0F0F0F0F0F0F0F0F
         else:
-            unit = tl.load(unit_ptr + row_codes[:, None] + w[None, :], mask=ok, other=0)
             x = unit.to(tl.uint64)
             x = (x | (x << 28)) & 0x0000000F0000000F
             x = (x | (x << 14)) & 0x0003000300030003
             x = (x | (x << 7)) & 0x0101010101010101
         value = x + base[:, None] * 0x0101010101010101
-        out_off = r.to(tl.int64)[:, None] * words_per_row + w[None, :]
+        out_off = r[:, None] * words_per_row + w[None, :]
         tl.store(out_ptr + out_off, value.to(tl.int64, bitcast=True), mask=ok)
 
     @triton.jit
@@ -212,17 +217,20 @@ def _launch_fixed(
         if not words_ok:
             raise ValueError(f"the 'words' decode needs cols % 8 == 0 and 8-byte aligned buffers (cols={cols})")
         unit = fixed.view(torch.int32) if codec.offset_bits == 4 else fixed
+        per_unit = 4 if codec.offset_bits == 4 else 1  # bytes per load unit
         block_w = max(1, block_c // 8)
         grid = (triton.cdiv(rows, block_r), triton.cdiv(cols // 8, block_w))
         _fixed_words_kernel[grid](
             unit,
             out_bytes.view(torch.int64),
             rows,
-            cols,
-            packed_cols,
+            cols // 8,
+            packed_cols // per_unit,
+            SLAB_ROWS * (1 + packed_cols) // per_unit,
             OFFSET_BITS=codec.offset_bits,
             BLOCK_R=block_r,
             BLOCK_W=block_w,
+            WIDE=max(out_bytes.numel(), fixed.numel()) >= 2**31 - 2**20,
             num_warps=num_warps,
         )
         return
