@@ -13,7 +13,14 @@ import torch
 from qwen38_reference import load_reference, rel_err
 from transformers import AutoConfig
 
-from qwen38_plugin.model import CheckpointError, ConfigError, Qwen4ExpCore, greedy_generate, iter_safetensors
+from qwen38_plugin.model import (
+    CheckpointError,
+    ConfigError,
+    Qwen4ExpCore,
+    check_tensor_parallel,
+    greedy_generate,
+    iter_safetensors,
+)
 
 EOS = 248046
 
@@ -131,3 +138,18 @@ def test_missing_and_unexpected_tensors_are_named(tiny_checkpoint: Callable[...,
     assert "model.layers.2.mlp.experts.5.up_proj.weight" in message
     assert "model.layers.0.self_attn.q_proj.weight" in message
     assert err.value.unexpected == ["model.layers.0.self_attn.q_proj.weight"]
+
+
+def test_tensor_parallel_geometry_is_checked() -> None:
+    from types import SimpleNamespace
+
+    flash_next = SimpleNamespace(
+        num_attention_heads=24, num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=48,
+        num_experts=512,
+    )  # fmt: skip
+    for tp in (1, 2, 4, 8):
+        check_tensor_parallel(flash_next, tp)
+    with pytest.raises(ConfigError, match="linear_num_key_heads: 16 heads cannot be split over tensor_parallel_size=3"):
+        check_tensor_parallel(flash_next, 3)
+    with pytest.raises(ConfigError, match="num_attention_heads: 24 heads"):
+        check_tensor_parallel(flash_next, 16)

@@ -66,6 +66,35 @@ def check_config(config: Any) -> None:
             raise ConfigError(f"ple_layer_ids: layers {bad} are not linear_attention layers; PLE needs them")
 
 
+def check_tensor_parallel(config: Any, tp_size: int) -> None:
+    """Refuse a tensor-parallel size the head geometry cannot be split over, naming the head count.
+
+    Query heads, GDN key and value heads and experts are split evenly; KV heads are split when
+    there are at least as many as ranks and otherwise replicated, which needs the rank count to
+    be a multiple of them (Flash-Next: 24 Q / 2 KV / 16 linear-K / 48 linear-V heads).
+    """
+    if tp_size <= 1:
+        return
+    counts = {
+        "num_attention_heads": config.num_attention_heads,
+        "linear_num_key_heads": config.linear_num_key_heads,
+        "linear_num_value_heads": config.linear_num_value_heads,
+        "num_experts": config.num_experts,
+    }
+    for name, count in counts.items():
+        if count % tp_size:
+            raise ConfigError(
+                f"{name}: {count} heads cannot be split over tensor_parallel_size={tp_size}; "
+                f"use a tensor-parallel size that divides {count}"
+            )
+    kv = config.num_key_value_heads
+    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+        raise ConfigError(
+            f"num_key_value_heads: {kv} KV heads can be neither split nor evenly replicated over "
+            f"tensor_parallel_size={tp_size}"
+        )
+
+
 def rotary_dim(config: Any) -> int:
     return int(config.head_dim * (config.rope_parameters or {}).get("partial_rotary_factor", 1.0))
 

@@ -33,7 +33,7 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
-from qwen38_plugin.model import ConfigError, Qwen4ExpCore, eos_id
+from qwen38_plugin.model import ConfigError, Qwen4ExpCore, check_config, check_tensor_parallel, eos_id
 
 # ---------------------------------------------------------------------------------------------
 # State shapes (per request slot)
@@ -204,9 +204,15 @@ class QSAKVCache(nn.Module, AttentionLayerBase):
         # vLLM hands a [blocks, heads, block_size, bytes] int8 view; reinterpret its bytes.
         self.kv_cache = kv_cache.view(self.dtype)  # [blocks, heads, block_size, 2 * head_dim]
 
-    def token_view(self) -> torch.Tensor:
-        """``[blocks * block_size, heads, 2 * head_dim]`` indexed by slot (block * block_size + offset)."""
-        return self.kv_cache.permute(0, 2, 1, 3).flatten(0, 1)
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """The cached rows ``[len(slots), heads, 2 * head_dim]`` of slots (block * block_size + offset)."""
+        size = self.block_size()
+        return self.kv_cache[slots // size, :, slots % size]
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        # Index the cache itself: a reshaped copy of the strided view would silently drop the write.
+        size = self.block_size()
+        self.kv_cache[slots // size, :, slots % size] = rows
 
     def block_size(self) -> int:
         return int(self.kv_cache.shape[2])
@@ -218,32 +224,45 @@ class QSAKVCache(nn.Module, AttentionLayerBase):
 
 
 class VllmStateStore:
+    """Per-layer views of vLLM's caches for one step.
+
+    Layers may sit in different KV-cache groups, each with its own block table, so every
+    layer reads its own metadata (state slot per request, block table) by its layer name.
+    """
+
     def __init__(
         self,
         core: Qwen4ExpCore,
         slots: dict[int, LinearStateSlot],
         kv_layers: dict[int, QSAKVCache],
-        gdn_meta: Any,
-        qsa_meta: QSAMetadata | None,
+        metadata: dict[str, Any],
+        first_gdn_meta: Any,
     ) -> None:
-        self.core, self.slots, self.kv_layers, self.qsa_meta = core, slots, kv_layers, qsa_meta
-        self.indices = gdn_meta.non_spec_state_indices_tensor if gdn_meta is not None else None
+        self.core, self.slots, self.kv_layers, self.metadata = core, slots, kv_layers, metadata
         fresh = torch.zeros(0, dtype=torch.bool)
-        if gdn_meta is not None and gdn_meta.has_initial_state is not None:
+        if first_gdn_meta is not None and first_gdn_meta.has_initial_state is not None:
             # decodes (first) always continue; prefills continue iff they have computed tokens
             fresh = torch.cat([
-                torch.zeros(gdn_meta.num_decodes, dtype=torch.bool),
-                ~gdn_meta.has_initial_state[gdn_meta.num_decodes :].cpu(),
+                torch.zeros(first_gdn_meta.num_decodes, dtype=torch.bool),
+                ~first_gdn_meta.has_initial_state[first_gdn_meta.num_decodes :].cpu(),
             ])  # fmt: skip
         self.fresh = fresh
+
+    def _indices(self, layer: int, seqs: Sequence[int]) -> torch.Tensor:
+        meta = self.metadata[self.slots[layer].prefix]
+        return meta.non_spec_state_indices_tensor[list(seqs)].long()
+
+    def _qsa_meta(self, layer: int) -> QSAMetadata:
+        meta = self.metadata[self.kv_layers[layer].prefix]
+        assert isinstance(meta, QSAMetadata)
+        return meta
 
     def _is_fresh(self, seq: int) -> bool:
         return bool(seq < self.fresh.shape[0] and self.fresh[seq])
 
     def recurrent(self, layer: int, kind: str, seqs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.indices is not None
         states = self.slots[layer].kv_cache
-        idx = self.indices[list(seqs)].long()
+        idx = self._indices(layer, seqs)
         pair = (states[0][idx], states[1][idx]) if kind == "gdn" else (states[3][idx], states[2][idx])
         a, b = pair[0].clone(), pair[1].clone()
         for i, s in enumerate(seqs):
@@ -253,47 +272,42 @@ class VllmStateStore:
         return a, b
 
     def set_recurrent(self, layer: int, kind: str, seqs: Sequence[int], a: torch.Tensor, b: torch.Tensor) -> None:
-        assert self.indices is not None
         states = self.slots[layer].kv_cache
-        idx = self.indices[list(seqs)].long()
+        idx = self._indices(layer, seqs)
         if kind == "gdn":
             states[0][idx], states[1][idx] = a.to(states[0].dtype), b.to(states[1].dtype)
         else:
             states[3][idx], states[2][idx] = a.to(states[3].dtype), b.to(states[2].dtype)
 
-    def _slots(self, seq: int, start: int, end: int, cache: QSAKVCache) -> torch.Tensor:
-        assert self.qsa_meta is not None
+    def _slots(self, meta: QSAMetadata, seq: int, start: int, end: int, cache: QSAKVCache) -> torch.Tensor:
         positions = torch.arange(start, end)
         size = cache.block_size()
-        blocks = self.qsa_meta.block_table[seq, positions // size].long()
+        blocks = meta.block_table[seq, positions // size].long()
         return blocks * size + positions % size
 
     def kv(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        assert self.qsa_meta is not None
-        m = self.qsa_meta
+        m = self._qsa_meta(layer)
         past = m.seq_lens[seq] - (m.query_start_loc[seq + 1] - m.query_start_loc[seq])
         if past == 0:
             return None, None, None
         cache = self.kv_layers[layer]
-        rows = cache.token_view()[self._slots(seq, 0, past, cache)]  # [P, heads, 2D]
+        rows = cache.read(self._slots(m, seq, 0, past, cache))  # [P, heads, 2D]
         d, h = cache.head_dim, cache.num_kv_heads
         keys = rows[:, h:, :d].flatten(1)[:, : cache.index_dim] if cache.index_dim else None
         return rows[:, :h, :d], rows[:, :h, d:], keys
 
     def append_kv(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor | None) -> None:
-        assert self.qsa_meta is not None
-        m = self.qsa_meta
+        m = self._qsa_meta(layer)
         cache = self.kv_layers[layer]
         slots = m.slot_mapping[m.query_start_loc[seq] : m.query_start_loc[seq + 1]].long()
-        view = cache.token_view()
         d, h = cache.head_dim, cache.num_kv_heads
-        rows = view[slots]
+        rows = cache.read(slots)
         rows[:, :h, :d], rows[:, :h, d:] = k, v
         if keys is not None:
             padded = keys.new_zeros(keys.shape[0], cache.index_heads * d)
             padded[:, : keys.shape[1]] = keys
             rows[:, h:, :d] = padded.unflatten(1, (cache.index_heads, d))
-        view[slots] = rows
+        cache.write(slots, rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,6 +323,8 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         config = vllm_config.model_config.hf_text_config
         tp = vllm_config.parallel_config.tensor_parallel_size
+        check_config(config)
+        check_tensor_parallel(config, tp)
         if tp != 1:
             raise NotImplementedError(
                 f"tensor_parallel_size={tp}: the portable Qwen4Exp model runs unsharded for now; use "
@@ -371,7 +387,7 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
         query_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
         query_lens = [n for n in query_lens if n > 0]
         num_tokens = sum(query_lens)
-        store = VllmStateStore(self, self._slots, self._kv, gdn_meta, qsa_meta)
+        store = VllmStateStore(self, self._slots, self._kv, metadata, gdn_meta)
         hidden[:num_tokens] = self.forward_step(input_ids[:num_tokens], positions[:num_tokens], query_lens, store)
         return hidden
 
