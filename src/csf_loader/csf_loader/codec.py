@@ -251,7 +251,11 @@ def decode_region(
     lo = c0 - b0 * per_byte
     out = (bases + offsets[:, lo : lo + (c1 - c0)])[r0 - s0 * SLAB_ROWS : r1 - s0 * SLAB_ROWS]
     out = out.contiguous()
-    if plane.exceptions.numel():
+    if plane.exceptions.numel() and (r1 - r0, c1 - c0) == (rows, cols):
+        # Whole plane: positions index the output directly.
+        positions, values = exception_fields(plane.exceptions.to(out.device))
+        out.view(-1)[positions] = values
+    elif plane.exceptions.numel():
         positions, values = exception_fields(plane.exceptions.to(out.device))
         r, c = positions // cols, positions % cols
         keep = (r >= r0) & (r < r1) & (c >= c0) & (c < c1)
