@@ -80,7 +80,9 @@ def outputs(draw: st.DrawFn) -> dict[str, Any]:
         "text": text,
         "calls": made_calls,
         "reasoning": expected_reasoning,
-        "tool_choice": draw(st.sampled_from(["auto", "required", "none"])),
+        "tool_choice": draw(
+            st.sampled_from(["auto", "required", "none", {"type": "function", "function": {"name": "get_weather"}}])
+        ),
     }
 
 
