@@ -1,0 +1,60 @@
+"""Stock vLLM (CPU) serving tiny Qwen4Exp checkpoints through the plugin's portable model:
+greedy tokens equal transformers' greedy tokens, with several concurrent requests of mixed
+lengths and chunked prefill (a step budget smaller than the prompts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from qwen38_reference import load_reference
+
+HERE = Path(__file__).resolve().parent
+STEPS = 32
+EOS = 248046
+
+
+def run_engine(model: Path, dtype: str, prompts: list[list[int]], **llm_kwargs: Any) -> list[list[int]]:
+    """Greedy tokens from a vLLM engine started in a subprocess (engines spawn processes)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    args = [str(model), dtype, str(STEPS), json.dumps(prompts), json.dumps(llm_kwargs)]
+    cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = [line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
+    assert result, proc.stdout[-3000:] + proc.stderr[-6000:]
+    tokens: list[list[int]] = json.loads(result[-1])["tokens"]
+    return tokens
+
+
+def reference_greedy(model: Path, prompts: list[list[int]], dtype: torch.dtype) -> list[list[int]]:
+    hf = load_reference(model, dtype)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            generated = hf.generate(ids, max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(generated[0, len(prompt) :].tolist())
+    return out
+
+
+def mixed_prompts(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # 1 token; shorter than a QSA block; longer than the QSA budget (16); longer than the
+    # step budget below, so its prefill is split into chunks
+    prompts = [torch.randint(0, 248_000, (n,), generator=gen).tolist() for n in (1, 3, 29, 70, 45)]
+    prompts[3][33] = EOS
+    return prompts
+
+
+def test_fp32_concurrent_chunked_prefill_equals_transformers(tiny_checkpoint: Callable[..., Path]) -> None:
+    model = tiny_checkpoint("qwen4_exp_text", dtype="float32")
+    prompts = mixed_prompts(0)
+    served = run_engine(model, "float32", prompts, max_num_batched_tokens=32, max_num_seqs=8)
+    assert served == reference_greedy(model, prompts, torch.float32)
