@@ -203,3 +203,21 @@ def test_undefined_ref_is_rejected_naming_the_tool_and_the_fix(harness: Qwen38Ha
     parser_cls = harness.parser_cls
     with pytest.raises(VLLMValidationError, match=r"tools\[3\] \('broken'\).*'#/\$defs/X'.*\$defs"):
         parser_cls(harness.tokenizer, None).adjust_request(harness.request(tools=tools))
+
+
+def test_engine_shape_check_fails_loudly_when_vllm_changes() -> None:
+    from tool_parsers.qwen38 import EXPECTED_VLLM_SHAPE, check_vllm_shape
+
+    check_vllm_shape()  # the installed vLLM matches
+
+    class Renamed:
+        def _on_terminal(self, terminal: str, text: str) -> None: ...
+
+    changed = {Renamed: {"_on_terminal": EXPECTED_VLLM_SHAPE[next(iter(EXPECTED_VLLM_SHAPE))]["_on_terminal"]}}
+    changed[Renamed]["_emit_for_state"] = ("self", "text", "token_count")
+    with pytest.raises(RuntimeError) as error:
+        check_vllm_shape(changed)
+    message = str(error.value)
+    assert "Renamed._on_terminal('self', 'terminal', 'text')" in message
+    assert "Renamed._emit_for_state is missing" in message
+    assert "stock qwen3_coder" in message

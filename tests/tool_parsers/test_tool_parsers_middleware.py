@@ -221,3 +221,13 @@ def test_combined_middleware_passes_other_routes_untouched() -> None:
     payload = {"data": [{"id": "tiny"}]}
     sent = run_app(Qwen38Middleware(json_app(payload)), "/v1/models")
     assert json.loads(body_of(sent)) == payload
+
+
+def test_keep_alive_says_so_when_vllm_moves_its_arguments(caplog: pytest.LogCaptureFixture) -> None:
+    import tool_parsers.middleware as middleware
+
+    middleware._missing_interval_reported = False
+    caplog.set_level(logging.ERROR, logger="vllm.plugins.tool_parsers.http")
+    app = SseKeepAliveMiddleware(sse_app([b"data: a\n\n"]))
+    assert body_of(run_app(app, "/v1/messages", SimpleNamespace())) == b"data: a\n\n"
+    assert any("app.state.args.sse_keep_alive_interval not found" in r.getMessage() for r in caplog.records)

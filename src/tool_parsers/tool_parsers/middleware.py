@@ -152,9 +152,22 @@ class RequestTimelineMiddleware:
 # ── R23: keep-alive for /v1/responses and /v1/messages ─────────────────────
 
 
+_missing_interval_reported = False
+
+
 def _configured_keep_alive(scope: Scope) -> float:
-    state = _app_state(scope)
-    args = getattr(state, "args", None)
+    # vLLM keeps its parsed CLI arguments in app.state.args (entrypoints/launchers/app.py).
+    global _missing_interval_reported
+    args = getattr(_app_state(scope), "args", None)
+    if not hasattr(args, "sse_keep_alive_interval"):
+        if not _missing_interval_reported:
+            _missing_interval_reported = True
+            logger.error(
+                "tool_parsers keep-alive: app.state.args.sse_keep_alive_interval not found; this vLLM "
+                "stores its arguments elsewhere, so /v1/responses and /v1/messages get no keep-alive "
+                "comments. tool_parsers supports vLLM 0.32 and 0.33."
+            )
+        return 0.0
     try:
         return float(getattr(args, "sse_keep_alive_interval", 0) or 0)
     except (TypeError, ValueError):

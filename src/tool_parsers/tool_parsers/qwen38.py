@@ -21,6 +21,7 @@ already carries most of the forks' tool-calling fixes. What this module changes:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 from collections import OrderedDict
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
+from vllm import __version__ as vllm_version
 from vllm.entrypoints.generate.base.protocol import DeltaMessage, ExtractedToolCallInformation
 from vllm.exceptions import VLLMValidationError
 from vllm.parser.engine.adapters import ParserEngineReasoningAdapter, ParserEngineToolAdapter
@@ -48,6 +50,68 @@ FUNCTION_CLOSE = "</function>"
 _TOOL_EVENT_TYPES = frozenset(
     (EventType.TOOL_CALL_START, EventType.TOOL_NAME, EventType.ARG_VALUE_CHUNK, EventType.TOOL_CALL_END)
 )
+
+# ── What this module relies on in stock vLLM ────────────────────────────────
+
+# The subclasses below extend stock's parser engine through methods and attributes that
+# are not a public API. They are checked when this module is imported, so a vLLM release
+# that changes them fails at server start with this message instead of parsing wrongly.
+EXPECTED_VLLM_SHAPE: dict[type, dict[str, tuple[str, ...]]] = {
+    StreamingParserEngine: {
+        "reset": ("self", "initial_state"),
+        "_on_terminal": ("self", "terminal", "value", "token_count"),
+        "_emit_for_state": ("self", "text", "token_count"),
+        "_apply_transition": ("self", "transition", "value", "token_count"),
+        "_process_lex_tokens": ("self", "tokens"),
+        "finish": ("self",),
+    },
+    Qwen3Parser: {
+        "_check_skip_tool_parsing": ("self", "request"),
+        "_accept_tool_name": ("self", "name"),
+        "_events_to_delta": ("self", "events", "finished"),
+        "_handle_arg_chunk": ("self", "event", "deltas"),
+        "_handle_tool_end": ("self", "event", "deltas"),
+        "_reset": ("self", "initial_state"),
+        "_single_pass_parse": ("self", "text", "token_ids", "initial_state"),
+        "_build_extracted_result": ("self", "deltas"),
+        "extract_tool_calls_from_content": ("self", "content", "request"),
+        "extract_tool_calls_streaming": (
+            "self",
+            "previous_text",
+            "current_text",
+            "delta_text",
+            "previous_token_ids",
+            "current_token_ids",
+            "delta_token_ids",
+            "request",
+        ),
+        "finish_streaming": ("self",),
+        "adjust_request": ("self", "request"),
+    },
+}
+
+
+def check_vllm_shape(expected: dict[type, dict[str, tuple[str, ...]]] = EXPECTED_VLLM_SHAPE) -> None:
+    """Raise RuntimeError naming every stock method whose name or parameters changed."""
+    problems: list[str] = []
+    for cls, methods in expected.items():
+        for name, params in methods.items():
+            method = getattr(cls, name, None)
+            if not callable(method):
+                problems.append(f"{cls.__qualname__}.{name} is missing")
+                continue
+            found = tuple(inspect.signature(method).parameters)
+            if found != params:
+                problems.append(f"{cls.__qualname__}.{name}{found} (expected {params})")
+    if problems:
+        raise RuntimeError(
+            f"tool_parsers.qwen38 was built against vLLM 0.32/0.33's parser engine, and this vLLM "
+            f"({vllm_version}) differs: {'; '.join(problems)}. Use a supported vLLM, or drop "
+            f"--tool-call-parser qwen38_coder / --reasoning-parser qwen38 for stock qwen3_coder / qwen3."
+        )
+
+
+check_vllm_shape()
 
 # ── Argument body → JSON ─────────────────────────────────────────────────────
 
