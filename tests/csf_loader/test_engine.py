@@ -84,3 +84,26 @@ def rank_scale(rank: dict[str, Any], module: str) -> list[list[int]]:
     entry = rank[f"{module}.weight_scale"]
     rows, cols = entry["shape"]
     return [entry["bytes"][i * cols : (i + 1) * cols] for i in range(rows)]
+
+
+def test_missing_tensor_fails_at_startup_naming_it(engines: dict[str, Any], tmp_path: Path) -> None:
+    # R40: a standard NVFP4 checkpoint with a tensor missing, loaded with --load-format csf
+    # (weights tracking on), fails at startup and names the parameter.
+    from safetensors.torch import save_file
+
+    broken = tmp_path / "nvfp4_missing"
+    broken.mkdir()
+    source_dir: Path = engines["source_dir"]
+    for path in source_dir.iterdir():
+        if path.suffix != ".safetensors":
+            (broken / path.name).write_bytes(path.read_bytes())
+    with safe_open(str(source_dir / "model.safetensors"), "pt") as f:
+        kept = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.1.mlp.down_proj.weight_scale_2"}  # noqa: SIM118
+    save_file(kept, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    cmd = ["flock", LOCK, sys.executable, str(SCRIPT), str(broken), "1", "csf", str(tmp_path / "out.json")]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode != 0
+    log = result.stdout + result.stderr
+    assert "were not initialized from checkpoint" in log, log[-4000:]
+    assert "model.layers.1.mlp.down_proj.weight_global_scale" in log or "down_proj.weight_scale_2" in log, log[-4000:]
