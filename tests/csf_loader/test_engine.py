@@ -51,7 +51,9 @@ def engines(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> d
 
 def test_csf_engine_logits_equal_uncompressed(engines: dict[str, Any]) -> None:
     src, csf = engines["source"], engines["csf"]
-    assert "decoded 14 NVFP4-CSF scale planes" in csf["log"]
+    # 14 planes per rank; the 10 TP-split ones (q, o, gate, up, down) decoded from the compressed
+    # payload only over this rank's extent (k and v are replicated: one KV head at TP=2).
+    assert "decoded 14 NVFP4-CSF scale planes (10 of them only this rank's TP extent" in csf["log"]
     assert csf["tokens"] == src["tokens"]
     assert csf["logprobs"] == src["logprobs"]  # exact: same bytes reach the same kernels
 

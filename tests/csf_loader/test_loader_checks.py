@@ -154,3 +154,18 @@ def test_mxfp4_container_contract_violations_fail_at_startup(tmp_path: Path) -> 
     rewrite({**manifest, "family": "other"}, contract)
     with pytest.raises(CsfLoadError, match="must name the same model family"):
         read_mxfp4_contract(dst)
+
+
+def test_stream_decodes_only_the_rank_extent_when_given() -> None:
+    s = scales(5, rows=64, cols=8)
+    seen: list[tuple[str, int, int]] = []
+
+    def extent_of(name: str, rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        seen.append((name, rows, cols))
+        return (16, 48), (2, 6)
+
+    out = dict(decode_csf_stream(stream_for("l.weight_scale", s), extent_of=extent_of))
+    assert seen == [("l.weight_scale", 64, 8)]
+    got = out["l.weight_scale"].view(torch.uint8)
+    assert got.shape == (64, 8)
+    assert torch.equal(got[16:48, 2:6], s[16:48, 2:6])

@@ -5,7 +5,8 @@ Imported only from ``register_with_vllm`` (it imports vLLM). The loader is stock
 ``<name>.nvfp4_csf_fixed`` / ``<name>.nvfp4_csf_exceptions`` pair is decoded
 (``csf_loader.codec``, bit-exact, validated) into the plain E4M3 tensor ``<name>``
 the source checkpoint had, so the model's own ``load_weights`` and stock's NVFP4
-methods receive exactly the source bytes and do their usual TP slicing. Stock's
+methods receive exactly the source bytes. For stock's parallel linear layers each rank
+decodes only its TP extent from the compressed payload (``tp_extent_resolver``). Stock's
 ModelOpt ``MIXED_PRECISION`` config reads the CSF ``config.json`` unchanged (it
 ignores ``weight_scale_encoding``).
 
@@ -27,7 +28,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS, CsfFormatError, CsfPlane, decode
+from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS, CsfFormatError, CsfPlane, decode, decode_region
 
 logger = logging.getLogger("vllm.plugins.csf_loader")
 
@@ -54,13 +55,25 @@ def nvfp4_logical_shape(fixed: torch.Tensor, where: str) -> tuple[int, int]:
     return fixed.shape[0] * SLAB_ROWS, (fixed.shape[1] // SLAB_ROWS - 1) * 2
 
 
+Extent = tuple[tuple[int, int], tuple[int, int]]
+
+
 def decode_csf_stream(
-    weights: Iterable[tuple[str, torch.Tensor]], shard_of: dict[str, str] | None = None
+    weights: Iterable[tuple[str, torch.Tensor]],
+    shard_of: dict[str, str] | None = None,
+    extent_of: Callable[[str, int, int], Extent | None] | None = None,
 ) -> Generator[tuple[str, torch.Tensor], None, None]:
-    """Replace every NVFP4-CSF pair in a weight stream by its decoded E4M3 tensor."""
+    """Replace every NVFP4-CSF pair in a weight stream by its decoded E4M3 tensor.
+
+    With ``extent_of(name, rows, cols)`` returning this rank's ``((r0, r1), (c0, c1))``,
+    only that region is decoded from the compressed payload (the slabs and code bytes it
+    covers); it is placed in a full-shape tensor whose other bytes stock's weight loader
+    never reads, since it narrows to exactly that region.
+    """
     shard_of = shard_of or {}
     pending: dict[str, dict[str, torch.Tensor]] = {}
     planes = 0
+    partial = 0
     seconds = 0.0
     decoded_bytes = 0
     for name, tensor in weights:
@@ -77,8 +90,16 @@ def decode_csf_stream(
         where = f"{shard_of.get(name, '?')}: {base}"
         started = time.perf_counter()
         rows, cols = nvfp4_logical_shape(parts[FIXED], where)
+        plane = CsfPlane(parts[FIXED], parts[EXCEPTIONS])
+        extent = extent_of(base, rows, cols) if extent_of is not None else None
         try:
-            scales = decode(CsfPlane(parts[FIXED], parts[EXCEPTIONS]), NVFP4_CSF, rows, cols, what=where)
+            if extent is None or extent == ((0, rows), (0, cols)):
+                scales = decode(plane, NVFP4_CSF, rows, cols, what=where)
+            else:
+                (r0, r1), (c0, c1) = extent
+                partial += 1
+                scales = torch.empty(rows, cols, dtype=torch.uint8)
+                scales[r0:r1, c0:c1] = decode_region(plane, NVFP4_CSF, rows, cols, (r0, r1), (c0, c1), what=where)
         except CsfFormatError as exc:
             raise CsfLoadError(str(exc)) from None
         seconds += time.perf_counter() - started
@@ -95,7 +116,11 @@ def decode_csf_stream(
         )
     if planes:
         logger.info(
-            "csf_loader: decoded %d NVFP4-CSF scale planes (%.1f MB) in %.3f s", planes, decoded_bytes / 1e6, seconds
+            "csf_loader: decoded %d NVFP4-CSF scale planes (%d of them only this rank's TP extent, %.1f MB) in %.3f s",
+            planes,
+            partial,
+            decoded_bytes / 1e6,
+            seconds,
         )
 
 
@@ -249,6 +274,69 @@ def mxfp4_container_stream(root: Path) -> Generator[tuple[str, torch.Tensor], No
                     raise CsfLoadError(f"{path}: {name} has no partner {name[: -len(exc_sfx)]}{fixed_sfx}")
 
 
+def tp_extent_resolver(model: nn.Module) -> Callable[[str, int, int], Extent | None]:
+    """This rank's region of a checkpoint scale matrix, from the stock layer that loads it.
+
+    Covers exactly stock's ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear
+    (with replicated KV heads) and RowParallelLinear; anything else (subclasses, unknown
+    names, replicated layers, MoE experts) returns None and is decoded whole, which is
+    always correct. The TP=2 engine test checks every rank's parameters byte for byte.
+    """
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+
+    modules = dict(model.named_modules())
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+
+    def resolve(scale_name: str, rows: int, cols: int) -> Extent | None:
+        module_path = scale_name.rsplit(".", 1)[0]
+        module = modules.get(module_path)
+        shard = None
+        if module is None and "." in module_path:
+            parent, leaf = module_path.rsplit(".", 1)
+            for fused, parts in packed.items():
+                if leaf in parts and parent + "." + fused in modules:
+                    module, shard = modules[parent + "." + fused], leaf
+                    break
+        if module is None:
+            return None
+        tp, rank = int(getattr(module, "tp_size", 1)), int(getattr(module, "tp_rank", 0))
+        if tp == 1:
+            return None
+        full_rows, full_cols = (0, rows), (0, cols)
+        if type(module) is RowParallelLinear:
+            if not module.input_is_parallel or cols % tp:
+                return None
+            local = cols // tp
+            return full_rows, (rank * local, (rank + 1) * local)
+        if type(module) is QKVParallelLinear and shard is not None:
+            index = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}.get(shard)
+            if index is None:
+                return None
+            if index == "q":
+                local, at = module.num_heads * module.head_size, rank
+            else:
+                head = module.head_size if index == "k" else module.v_head_size
+                local, at = module.num_kv_heads * head, rank // module.num_kv_head_replicas
+            if local * (at + 1) > rows:
+                return None
+            return (at * local, (at + 1) * local), full_cols
+        if (type(module) is MergedColumnParallelLinear and shard is not None) or (
+            type(module) is ColumnParallelLinear and shard is None
+        ):
+            if rows % tp:
+                return None
+            local = rows // tp
+            return (rank * local, (rank + 1) * local), full_cols
+        return None
+
+    return resolve
+
+
 class CsfModelLoader(DefaultModelLoader):
     """Stock safetensors loading with NVFP4-CSF pairs decoded into plain E4M3 scales."""
 
@@ -269,7 +357,8 @@ class CsfModelLoader(DefaultModelLoader):
             yield from mxfp4_container_stream(Path(model_config.model))
             return
         shard_of = shard_index(model_config.model)
-        yield from decode_csf_stream(super().get_all_weights(model_config, model), shard_of)
+        extent_of = tp_extent_resolver(model)
+        yield from decode_csf_stream(super().get_all_weights(model_config, model), shard_of, extent_of)
 
     def download_model(self, model_config: ModelConfig) -> None:
         if is_mxfp4_container(model_config.model):
