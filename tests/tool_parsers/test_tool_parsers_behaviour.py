@@ -6,8 +6,8 @@ import logging
 from typing import Any
 
 import pytest
-from qwen38_harness import Qwen38Harness, render_call
 
+from tests.tool_parsers.qwen38_harness import Qwen38Harness, render_call
 from tool_parsers.qwen38 import is_truncated_call, parse_parameters
 from tool_parsers.schema_refs import resolve_local_refs
 

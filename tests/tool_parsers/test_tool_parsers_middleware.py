@@ -10,8 +10,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from qwen38_harness import Qwen38Harness, render_call
 
+from tests.tool_parsers.qwen38_harness import Qwen38Harness, render_call
 from tool_parsers.middleware import (
     KEEP_ALIVE_COMMENT,
     Qwen38Middleware,

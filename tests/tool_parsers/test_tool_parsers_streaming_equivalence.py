@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from qwen38_harness import Parsed, Qwen38Harness, render_call
+
+from tests.tool_parsers.qwen38_harness import Parsed, Qwen38Harness, render_call
 
 # Pieces of string values, including the text that used to cut values short.
 FRAGMENTS = [
