@@ -4,12 +4,12 @@
 
 For each config it builds a random checkpoint (cached under .cache/bench/), then measures on
 this machine, one after the other:
-- transformers `Qwen4ExpForCausalLM.generate` (greedy), the requests batched together
-  (left padding is not used: each request runs alone and the times are summed, because
-  transformers' Qwen4Exp PLE/QSA masks do not support padded batches the way vLLM batches);
+- transformers `Qwen4ExpForCausalLM.generate` (greedy), all requests as one batch (the
+  prompts have equal lengths, so no padding is involved);
 - stock vLLM with the plugin (`vllm.LLM`, the same prompts, all requests submitted at once).
 Prefill tokens/s uses max_tokens=1; decode tokens/s uses (generated tokens) / (total - prefill time).
-Peak memory is the peak RSS of the measuring process tree (`ru_maxrss`, children included).
+Peak memory is the sum of the peak RSS (VmHWM) of the measuring process and its live
+descendants (vLLM's engine core and worker processes included).
 Prints one table and the ratios ours / transformers.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -79,18 +78,16 @@ def measure_transformers(model: Path, ps: list[list[int]], new_tokens: int) -> d
     from transformers import Qwen4ExpForCausalLM
 
     hf = Qwen4ExpForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    prefill = total = 0.0
+    # All prompts have the same length, so they run as one batch without padding.
+    ids = torch.tensor(ps)
     with torch.no_grad():
-        for p in ps:
-            ids = torch.tensor([p])
-            t0 = time.perf_counter()
-            hf.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
-            t1 = time.perf_counter()
-            hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-            t2 = time.perf_counter()
-            prefill += t1 - t0
-            total += t2 - t1
-    return _rates(ps, new_tokens, prefill, total)
+        hf.generate(ids[:1, :8], max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)  # warm-up
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
+        t1 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        t2 = time.perf_counter()
+    return _rates(ps, new_tokens, t1 - t0, t2 - t1)
 
 
 def measure_vllm(model: Path, ps: list[list[int]], new_tokens: int) -> dict[str, float]:
@@ -114,11 +111,35 @@ def _rates(ps: list[list[int]], new_tokens: int, prefill: float, total: float) -
     return {
         "prefill_tok_s": prompt_tokens / prefill,
         "decode_tok_s": len(ps) * (new_tokens - 1) / decode_time,
-        "peak_rss_mib": max(
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        )
-        / 1024,
+        "peak_rss_mib": tree_peak_rss_mib(),
     }
+
+
+def tree_peak_rss_mib() -> float:
+    """Sum of the peak RSS (VmHWM) of this process and its live descendants (vLLM's engine core
+    and worker run as child processes; ru_maxrss would count only children already reaped)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, parent in parents.items() if parent == pid and c not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    total_kib = 0
+    for pid in tree:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total_kib += int(line.split()[1])
+        except OSError:
+            continue
+    return total_kib / 1024
 
 
 def child(kind: str, name: str, concurrency: int, prompt_len: int, new_tokens: int) -> None:
