@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from qwen38_reference import load_reference, rel_err
 from transformers import AutoConfig
 
 from qwen38_plugin.model import (
@@ -21,6 +20,7 @@ from qwen38_plugin.model import (
     greedy_generate,
     iter_safetensors,
 )
+from tests.qwen38_plugin.qwen38_reference import load_reference, rel_err
 
 EOS = 248046
 

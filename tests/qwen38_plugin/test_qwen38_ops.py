@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from qwen38_reference import load_reference, rel_err
 
 from qwen38_plugin.ops import gdn, hyper_connection, moe, ple, qsa
 from qwen38_plugin.ops.common import causal_conv1d
+from tests.qwen38_plugin.qwen38_reference import load_reference, rel_err
 
 # fp32 results must agree with the reference to this relative error (max-abs / max-abs).
 FP32_TOL = 2e-5

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from qwen38_reference import load_reference
+
+from tests.qwen38_plugin.qwen38_reference import load_reference
 
 HERE = Path(__file__).resolve().parent
 STEPS = 32

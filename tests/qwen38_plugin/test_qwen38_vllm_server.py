@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_qwen38_vllm_engine import STEPS, mixed_prompts, reference_greedy
+
+from tests.qwen38_plugin.test_qwen38_vllm_engine import STEPS, mixed_prompts, reference_greedy
 
 LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 
