@@ -62,8 +62,13 @@ def test_every_plugin_registers_in_api_server_engine_core_and_worker(all_plugins
         assert any(name.startswith("EngineCore") for name in names), f"{plugin}: no engine core in {names}"
         assert any(name.startswith("VllmWorker") for name in names), f"{plugin}: no worker in {names}"
         assert len(by_pid) == 3, by_pid  # once per process: register() is idempotent
+        assert len({what for _, what in by_pid.values()}) == 1, by_pid  # the same in every process
+    # On the CPU platform qwen38_plugin also takes over Qwen4Exp with its portable model.
     qwen38_registered = {what for _, what in seen["qwen38_plugin"].values()}
-    assert qwen38_registered == {"transformers config qwen3_8_flash_next_text, transformers config qwen3_8_flash_next"}
+    assert qwen38_registered == {
+        "transformers config qwen3_8_flash_next_text, transformers config qwen3_8_flash_next, "
+        "portable Qwen4ExpForCausalLM (CPU platform)"
+    }
 
 
 def test_vllm_plugins_excludes_the_others(start_server, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]

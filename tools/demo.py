@@ -24,7 +24,7 @@ DEMO_DIR = ROOT / ".cache" / "demo"
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-type", choices=MODEL_TYPES, default="qwen3")
+    parser.add_argument("--model-type", choices=MODEL_TYPES, default="qwen4_exp_text")
     parser.add_argument("--prompt", default="Name three colours of the sea.")
     args = parser.parse_args()
 
