@@ -13,6 +13,7 @@ Run with the shared lock: `flock /tmp/qwen38-vllm.lock .venv/bin/pytest tests/to
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import anthropic
@@ -297,8 +298,21 @@ def test_streams_with_keep_alive_stay_well_formed(server: Any, path: str) -> Non
 
 
 def test_request_timeline_is_logged(server: Any, client: openai.OpenAI) -> None:
+    def timeline() -> list[str]:
+        return [line for line in server.log().splitlines() if "request timeline POST /v1/chat/completions" in line]
+
+    logged_before = len(timeline())
     chat(client, False, max_tokens=2)
-    timeline = [line for line in server.log().splitlines() if "request timeline POST /v1/chat/completions" in line]
-    assert timeline
-    assert "status=200 body=" in timeline[-1] and "first_byte=" in timeline[-1] and "total=" in timeline[-1]
-    assert "first_byte=-" not in timeline[-1]
+    # The middleware writes the line when the response has ended, which can be just after the
+    # client has read it: wait (bounded) for this request's line rather than take the last one.
+    # (An earlier test's line may also land after `logged_before`; this request is the only 200.)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        ok_lines = [line for line in timeline()[logged_before:] if " status=200 " in line]
+        if ok_lines:
+            break
+        time.sleep(0.1)
+    assert len(ok_lines) == 1, timeline()[logged_before:]
+    line = ok_lines[0]
+    assert "status=200 body=" in line and "first_byte=" in line and "total=" in line
+    assert "first_byte=-" not in line
