@@ -1,10 +1,11 @@
-"""Where the plugin takes Qwen4ExpForCausalLM over from stock vLLM, and the documented switch."""
+"""What qwen38_plugin registers for Qwen4ExpForCausalLM, and the documented switch."""
 
 from __future__ import annotations
 
 import pytest
 
 from qwen38_plugin import _registration
+from qwen38_plugin.dispatch import DispatchError
 
 
 def test_cpu_platform_takes_over(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -17,16 +18,18 @@ def test_switch_forces_or_forbids_the_portable_model(monkeypatch: pytest.MonkeyP
     assert _registration.portable_model_reason() == "QWEN38_FORCE_PORTABLE=1"
     monkeypatch.setenv(_registration.FORCE_ENV, "0")
     assert _registration.portable_model_reason() is None
+    summary = _registration._registration_summary()
+    assert summary == "Qwen4ExpForCausalLM dispatcher (QWEN38_FORCE_PORTABLE=0: stock's only)"
     monkeypatch.setenv(_registration.FORCE_ENV, "yes")
-    with pytest.raises(ValueError, match="QWEN38_FORCE_PORTABLE"):
+    with pytest.raises(DispatchError, match="QWEN38_FORCE_PORTABLE='yes': use 1"):
         _registration.portable_model_reason()
 
 
-def test_registry_resolves_the_architecture_to_the_portable_model(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_registry_resolves_the_architecture_to_the_dispatcher(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm import ModelRegistry
 
     monkeypatch.delenv(_registration.FORCE_ENV, raising=False)
     registered = _registration.register_with_vllm()
-    assert any("portable Qwen4ExpForCausalLM (CPU platform)" in r for r in registered)
+    assert registered[-1] == "portable Qwen4ExpForCausalLM (CPU platform)"
     model_cls = ModelRegistry._try_load_model_cls("Qwen4ExpForCausalLM")
-    assert getattr(model_cls, "is_portable_qwen4exp", False)
+    assert getattr(model_cls, "is_qwen38_dispatcher", False)

@@ -26,31 +26,43 @@ def _announce(message: str) -> None:
 
 
 PORTABLE_ARCHITECTURE = "Qwen4ExpForCausalLM"
-PORTABLE_MODEL = "qwen38_plugin.vllm_model:PortableQwen4ExpForCausalLM"
+# The dispatcher picks stock's or our implementation per model (platform, capability, dtype).
+DISPATCH_MODEL = "qwen38_plugin.vllm_dispatch:Qwen4ExpForCausalLM"
 
 # QWEN38_FORCE_PORTABLE=1 serves Qwen4Exp with our portable model even where stock vLLM's own
-# implementation runs (CUDA >= 8.0 in bf16), to compare the two; =0 never replaces stock's.
+# implementation runs (CUDA >= 8.0 in bf16), to compare the two; =0 never uses ours.
 FORCE_ENV = "QWEN38_FORCE_PORTABLE"
 
 
 def portable_model_reason() -> str | None:
-    """Why this process should serve Qwen4Exp with the portable model, or None to leave stock's."""
-    forced = os.environ.get(FORCE_ENV, "").strip()
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"{FORCE_ENV}={forced!r}: use 1 (always the portable model) or 0 (never)")
+    """Why this process serves Qwen4Exp with the portable model whatever the model, or None.
+
+    Only what the process alone decides (the switch, the platform); the dtype rule is applied
+    per model by `qwen38_plugin.dispatch`.
+    """
+    from qwen38_plugin.dispatch import current_platform_target, read_force, why_stock_cannot_run
+
+    forced = read_force()
     if forced == "1":
         return f"{FORCE_ENV}=1"
     if forced == "0":
         return None
-    from vllm.platforms import current_platform
+    platform, capability = current_platform_target()
+    import torch
 
-    if current_platform.is_cpu():
-        return "CPU platform"
-    if current_platform.is_cuda():
-        capability = current_platform.get_device_capability()
-        if capability is not None and capability.to_int() < 80:
-            return f"CUDA capability {capability.major}.{capability.minor} < 8.0"
-    return None
+    from qwen38_plugin.dispatch import Target
+
+    # bfloat16 here: only the platform can rule stock's out before a model is chosen.
+    return why_stock_cannot_run(Target(platform, capability, torch.bfloat16))
+
+
+def _registration_summary() -> str:
+    reason = portable_model_reason()
+    if reason is not None:
+        return f"portable {PORTABLE_ARCHITECTURE} ({reason})"
+    if os.environ.get(FORCE_ENV, "").strip() == "0":
+        return f"{PORTABLE_ARCHITECTURE} dispatcher ({FORCE_ENV}=0: stock's only)"
+    return f"{PORTABLE_ARCHITECTURE} dispatcher (stock's in bfloat16, portable otherwise)"
 
 
 def register_with_vllm() -> list[str]:
@@ -66,13 +78,13 @@ def register_with_vllm() -> list[str]:
     from qwen38_plugin.configs import register_alias_configs
 
     registered = [f"transformers config {name}" for name in register_alias_configs()]
-    reason = portable_model_reason()
-    if reason is not None:
-        from vllm import ModelRegistry
+    summary = _registration_summary()  # also refuses a bad QWEN38_FORCE_PORTABLE value
+    from vllm import ModelRegistry
 
-        # A lazy "module:Class" reference: vLLM imports the model module only when it builds it.
-        ModelRegistry.register_model(PORTABLE_ARCHITECTURE, PORTABLE_MODEL)
-        registered.append(f"portable {PORTABLE_ARCHITECTURE} ({reason})")
+    # A lazy "module:Class" reference: vLLM imports the dispatcher only when it inspects or
+    # builds the architecture; the dispatcher logs which implementation it chose and why.
+    ModelRegistry.register_model(PORTABLE_ARCHITECTURE, DISPATCH_MODEL)
+    registered.append(summary)
 
     _announce(
         f"qwen38_plugin {__version__} registered in process {multiprocessing.current_process().name} "

@@ -1,0 +1,203 @@
+"""Which implementation serves `Qwen4ExpForCausalLM`: stock vLLM's or qwen38_plugin's portable one.
+
+`register()` cannot see the model dtype (it runs before any config exists), so it registers a
+dispatching class (`qwen38_plugin.vllm_dispatch`) under the architecture name instead of a
+model; the class applies the rule below wherever vLLM hands it a `VllmConfig`. This module holds
+the rule and imports vLLM only inside functions, so `register()` stays cheap.
+
+The rule (`decide`): ours where stock's cannot run, stock's everywhere else.
+- stock cannot run on the CPU platform, on CUDA below compute capability 8.0, on platforms
+  other than CUDA and ROCm, and in any dtype but bfloat16 (its QSA attention requires bf16);
+- ``QWEN38_FORCE_PORTABLE=1`` picks ours everywhere; ``=0`` picks stock's everywhere and fails
+  at startup, saying why, where stock's cannot run (no silent fallback either way).
+The choice is logged once per process, with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+ARCHITECTURE = "Qwen4ExpForCausalLM"
+PORTABLE_MODEL = "qwen38_plugin.vllm_model:PortableQwen4ExpForCausalLM"
+FORCE_ENV = "QWEN38_FORCE_PORTABLE"
+
+logger = logging.getLogger("vllm.plugins.qwen38_plugin")
+
+
+class DispatchError(ValueError):
+    """No implementation of Qwen4ExpForCausalLM can serve this configuration; says why and the fix."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the choice depends on: where the model runs and how it is asked to run."""
+
+    platform: str  # "cpu", "cuda", "rocm" or another vLLM platform name
+    capability: tuple[int, int] | None  # CUDA compute capability (None elsewhere)
+    dtype: torch.dtype
+    speculative_method: str | None = None
+    pipeline_parallel_size: int = 1
+    enable_hc_sp: bool = False
+    quantization: str | None = None
+
+    def describe(self) -> str:
+        where = (
+            self.platform if self.capability is None else f"{self.platform} {self.capability[0]}.{self.capability[1]}"
+        )
+        return f"{where}, {str(self.dtype).removeprefix('torch.')}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    portable: bool
+    reason: str
+
+    def describe(self) -> str:
+        which = "portable (qwen38_plugin)" if self.portable else "stock vLLM's"
+        return f"{ARCHITECTURE}: {which} implementation ({self.reason})"
+
+
+def read_force(environ: Mapping[str, str] | None = None) -> str | None:
+    """The ``QWEN38_FORCE_PORTABLE`` switch: "1", "0" or None (unset); anything else is refused."""
+    value = (os.environ if environ is None else environ).get(FORCE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise DispatchError(f"{FORCE_ENV}={value!r}: use 1 (always the portable model) or 0 (never), or unset it")
+    return value or None
+
+
+def why_stock_cannot_run(target: Target) -> str | None:
+    """Why stock vLLM's Qwen4ExpForCausalLM cannot run for `target`, or None if it can."""
+    if target.platform == "cpu":
+        return "CPU platform"
+    if target.platform == "cuda" and target.capability is not None and target.capability < (8, 0):
+        return f"CUDA capability {target.capability[0]}.{target.capability[1]} < 8.0"
+    if target.platform not in ("cuda", "rocm"):
+        return f"{target.platform} platform (stock's runs on CUDA and ROCm only)"
+    if target.dtype != torch.bfloat16:
+        return f"dtype {str(target.dtype).removeprefix('torch.')} (stock's QSA attention requires bfloat16)"
+    return None
+
+
+def decide(target: Target, force: str | None) -> Choice:
+    """Pick the implementation for `target` under the switch value `force` ("1", "0" or None)."""
+    blocker = why_stock_cannot_run(target)
+    if force == "1":
+        choice = Choice(True, f"{FORCE_ENV}=1")
+    elif force == "0":
+        if blocker is not None:
+            raise DispatchError(
+                f"{FORCE_ENV}=0 forbids the portable Qwen4Exp model, but stock vLLM's {ARCHITECTURE} cannot run "
+                f"here: {blocker}. Unset {FORCE_ENV} to serve with qwen38_plugin's portable model, or run on "
+                "CUDA >= 8.0 (or ROCm) in bfloat16."
+            )
+        choice = Choice(False, f"{FORCE_ENV}=0")
+    elif blocker is not None:
+        choice = Choice(True, blocker)
+    else:
+        choice = Choice(False, f"{target.describe()}: stock's runs here")
+    if choice.portable:
+        _refuse_what_portable_lacks(target, choice)
+    return choice
+
+
+def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
+    lacks = []
+    if target.speculative_method == "mtp":
+        lacks.append(
+            "speculative method 'mtp' (the portable model has no MTP head, and stock's Qwen4ExpMTP needs "
+            "CUDA >= 8.0 in bfloat16): drop --speculative-config or use method 'ngram'"
+        )
+    if target.pipeline_parallel_size > 1:
+        lacks.append(f"pipeline_parallel_size={target.pipeline_parallel_size}: use --pipeline-parallel-size 1")
+    if target.enable_hc_sp:
+        lacks.append("--enable-hc-sp (hyper-connection sequence parallelism): drop it")
+    if target.quantization is not None:
+        lacks.append(f"quantization {target.quantization!r}: serve an unquantized checkpoint")
+    if lacks:
+        raise DispatchError(
+            f"{ARCHITECTURE} runs on qwen38_plugin's portable model here ({choice.reason}), which does not "
+            f"support: {'; '.join(lacks)}"
+        )
+
+
+def target_of(vllm_config: VllmConfig, platform: tuple[str, tuple[int, int] | None] | None = None) -> Target:
+    """The `Target` of a vLLM config on this process's platform (or on `platform`, for tests)."""
+    if platform is None:
+        platform = current_platform_target()
+    dtype = vllm_config.model_config.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise DispatchError(f"model dtype {dtype!r} is not resolved; vLLM should have resolved it to a torch dtype")
+    spec = vllm_config.speculative_config
+    parallel = vllm_config.parallel_config
+    return Target(
+        platform=platform[0],
+        capability=platform[1],
+        dtype=dtype,
+        speculative_method=spec.method if spec is not None else None,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+        enable_hc_sp=bool(getattr(parallel, "enable_hc_sp", False)),
+        quantization=vllm_config.model_config.quantization,
+    )
+
+
+def current_platform_target() -> tuple[str, tuple[int, int] | None]:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu", None
+    if current_platform.is_cuda():
+        capability = current_platform.get_device_capability()
+        return "cuda", None if capability is None else (capability.major, capability.minor)
+    if current_platform.is_rocm():
+        return "rocm", None
+    return str(getattr(current_platform, "device_name", None) or type(current_platform).__name__), None
+
+
+def choose(vllm_config: VllmConfig) -> Choice:
+    return decide(target_of(vllm_config), read_force())
+
+
+_announced: set[str] = set()
+
+
+def announce(choice: Choice) -> None:
+    """Log the choice once per process (vLLM builds and inspects the model several times)."""
+    line = choice.describe()
+    if line not in _announced:
+        _announced.add(line)
+        logger.info("qwen38_plugin chose %s", line)
+
+
+def implementation(choice: Choice) -> type[nn.Module]:
+    if choice.portable:
+        module_name, class_name = PORTABLE_MODEL.split(":")
+    else:
+        module_name, class_name = stock_location()
+    model_cls = getattr(importlib.import_module(module_name), class_name)
+    assert isinstance(model_cls, type) and issubclass(model_cls, nn.Module), model_cls
+    return model_cls
+
+
+def stock_location() -> tuple[str, str]:
+    """Where vLLM's own registry table puts stock's Qwen4ExpForCausalLM (module, class)."""
+    from vllm.model_executor.models import registry
+
+    table: dict[str, Any] = getattr(registry, "_VLLM_MODELS", {})
+    if ARCHITECTURE not in table:
+        raise DispatchError(
+            f"this vLLM's model table has no {ARCHITECTURE}: qwen38_plugin cannot find stock's implementation; "
+            f"set {FORCE_ENV}=1 to serve with the portable model"
+        )
+    module, class_name = table[ARCHITECTURE]
+    return registry._resolve_module_name(module), class_name

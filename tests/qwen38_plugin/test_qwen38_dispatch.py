@@ -1,0 +1,171 @@
+"""Which implementation serves Qwen4ExpForCausalLM: stock vLLM's where it runs, ours elsewhere.
+
+The rule is checked on real `VllmConfig` objects of the tiny checkpoint (built by vLLM's own
+`EngineArgs`), on this CPU and, by naming the platform, as if on CUDA devices; the dispatching
+class is checked against stock's class (the interfaces vLLM inspects) and against a real vLLM
+engine on CPU (it logs its choice and serves our model's tokens, in fp16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from qwen38_plugin import dispatch
+from qwen38_plugin.dispatch import FORCE_ENV, DispatchError, Target, decide, target_of
+
+HERE = Path(__file__).resolve().parent
+CUDA_90, CUDA_70, ROCM = ("cuda", (9, 0)), ("cuda", (7, 0)), ("rocm", None)
+PORTABLE_CPU = "Qwen4ExpForCausalLM: portable (qwen38_plugin) implementation (CPU platform)"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@pytest.fixture(scope="module")
+def configs(tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, Any]]:
+    """VllmConfig of the tiny qwen4_exp_text checkpoint per dtype, as `vllm serve` builds it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from qwen38_plugin import register
+
+    register()
+    model = tiny_checkpoint("qwen4_exp_text")
+    saved = os.environ.pop(FORCE_ENV, None)
+    try:
+        yield {
+            name: EngineArgs(model=str(model), dtype=name, enforce_eager=True, max_model_len=512).create_engine_config()
+            for name in DTYPES
+        }
+    finally:
+        if saved is not None:
+            os.environ[FORCE_ENV] = saved
+
+
+@pytest.mark.parametrize(
+    ("platform", "dtype", "portable", "reason"),
+    [
+        (None, "bfloat16", True, "CPU platform"),  # this machine
+        (None, "float16", True, "CPU platform"),
+        (CUDA_90, "bfloat16", False, "cuda 9.0, bfloat16: stock's runs here"),
+        (CUDA_90, "float16", True, "dtype float16 (stock's QSA attention requires bfloat16)"),
+        (CUDA_90, "float32", True, "dtype float32 (stock's QSA attention requires bfloat16)"),
+        (CUDA_70, "bfloat16", True, "CUDA capability 7.0 < 8.0"),
+        (CUDA_70, "float16", True, "CUDA capability 7.0 < 8.0"),
+        (ROCM, "bfloat16", False, "rocm, bfloat16: stock's runs here"),
+    ],
+)
+def test_rule_on_real_configs(configs: dict[str, Any], platform: Any, dtype: str, portable: bool, reason: str) -> None:
+    target = target_of(configs[dtype], platform)
+    assert target.dtype == DTYPES[dtype]
+    assert decide(target, None) == dispatch.Choice(portable, reason)
+
+
+def test_switch_forces_either_way_and_never_falls_back(configs: dict[str, Any]) -> None:
+    bf16_h200 = target_of(configs["bfloat16"], CUDA_90)
+    assert decide(bf16_h200, "1") == dispatch.Choice(True, "QWEN38_FORCE_PORTABLE=1")
+    assert decide(bf16_h200, "0") == dispatch.Choice(False, "QWEN38_FORCE_PORTABLE=0")
+    with pytest.raises(DispatchError, match=r"QWEN38_FORCE_PORTABLE=0 forbids .* cannot run here: CPU platform"):
+        decide(target_of(configs["bfloat16"]), "0")
+    with pytest.raises(DispatchError, match=r"cannot run here: dtype float16 \(stock's QSA attention requires bf"):
+        decide(target_of(configs["float16"], CUDA_90), "0")
+    with pytest.raises(DispatchError, match="QWEN38_FORCE_PORTABLE='true': use 1"):
+        dispatch.read_force({FORCE_ENV: "true"})
+
+
+def test_portable_choice_refuses_what_the_portable_model_lacks() -> None:
+    fp16 = Target("cuda", (9, 0), torch.float16)
+    with pytest.raises(DispatchError, match=r"dtype float16 .* does not support: speculative method 'mtp'"):
+        decide(dataclasses.replace(fp16, speculative_method="mtp"), None)
+    with pytest.raises(DispatchError, match="pipeline_parallel_size=2: use --pipeline-parallel-size 1"):
+        decide(dataclasses.replace(fp16, pipeline_parallel_size=2), None)
+    # stock's keeps them
+    bf16 = dataclasses.replace(fp16, dtype=torch.bfloat16, speculative_method="mtp", pipeline_parallel_size=2)
+    assert not decide(bf16, None).portable
+
+
+def test_dispatcher_reports_stock_interfaces_to_the_registry() -> None:
+    """vLLM inspects the registered class before any config exists: it must see what stock's offers."""
+    import importlib
+
+    from vllm.model_executor.models.registry import _ModelInfo
+
+    from qwen38_plugin.vllm_dispatch import Qwen4ExpForCausalLM
+
+    stock = importlib.import_module("vllm.models.qwen4_exp").Qwen4ExpForCausalLM
+    ours = dataclasses.asdict(_ModelInfo.from_model_cls(Qwen4ExpForCausalLM))
+    theirs = dataclasses.asdict(_ModelInfo.from_model_cls(stock))
+    differ = {k for k in ours if ours[k] != theirs[k]}
+    # The portable model's prefix caching (a flag vLLM 0.32 does not read) is the only addition.
+    assert differ == {"supports_mamba_prefix_caching"}, {k: (ours[k], theirs[k]) for k in differ}
+    assert ours["is_hybrid"] and ours["has_inner_state"] and ours["supports_pp"] and ours["is_text_generation_model"]
+    # read from the class by vLLM's quantization setup, before the model is built
+    assert Qwen4ExpForCausalLM.packed_modules_mapping is stock.packed_modules_mapping
+    assert hasattr(Qwen4ExpForCausalLM, "get_mtp_target_hidden_states")
+
+
+def test_dispatcher_builds_the_chosen_model_and_logs_why(
+    configs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    from qwen38_plugin.vllm_dispatch import Qwen4ExpForCausalLM
+    from qwen38_plugin.vllm_model import PortableQwen4ExpForCausalLM
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    dispatch.logger.addHandler(handler)
+    dispatch._announced.clear()
+    try:
+        config = configs["float16"]
+        model = initialize_model(config, model_class=Qwen4ExpForCausalLM)
+        assert type(model) is PortableQwen4ExpForCausalLM
+        initialize_model(configs["bfloat16"], model_class=Qwen4ExpForCausalLM)
+    finally:
+        dispatch.logger.removeHandler(handler)
+    # one line per process and choice, however often vLLM builds or asks the class
+    assert records == [
+        "qwen38_plugin chose Qwen4ExpForCausalLM: portable (qwen38_plugin) implementation (CPU platform)"
+    ]
+    # what vLLM asks the class before building it
+    shapes = PortableQwen4ExpForCausalLM.get_mamba_state_shape_from_config(config)
+    assert Qwen4ExpForCausalLM.get_mamba_state_shape_from_config(config) == shapes
+    assert Qwen4ExpForCausalLM.get_mamba_state_dtype_from_config(config) == (
+        torch.float16, torch.float32, torch.float16, torch.int64,
+    )  # fmt: skip
+    (spec,) = Qwen4ExpForCausalLM.get_mamba_specs_from_config(config)
+    assert spec.shapes == shapes
+    monkeypatch.setenv(FORCE_ENV, "0")
+    with pytest.raises(DispatchError, match="QWEN38_FORCE_PORTABLE=0 forbids"):
+        initialize_model(config, model_class=Qwen4ExpForCausalLM)
+
+
+def test_cpu_engine_serves_fp16_through_the_portable_model(tiny_checkpoint: Callable[..., Path]) -> None:
+    """A real vLLM engine on CPU in fp16 logs the choice and serves transformers' greedy tokens."""
+    from tests.qwen38_plugin.test_qwen38_vllm_engine import STEPS, reference_greedy
+
+    model = tiny_checkpoint("qwen4_exp_text")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 248_000, (n,), generator=gen).tolist() for n in (2, 21)]
+    env = {k: v for k, v in os.environ.items() if k != FORCE_ENV} | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    args = [str(model), "float16", str(STEPS), json.dumps(prompts), json.dumps({"max_num_seqs": 4})]
+    cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    chose = [line for line in log.splitlines() if "qwen38_plugin chose" in line]
+    assert chose, log[-6000:]
+    assert all(
+        line.endswith("Qwen4ExpForCausalLM: portable (qwen38_plugin) implementation (CPU platform)") for line in chose
+    )
+    served = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')][-1])["tokens"]
+    assert served == reference_greedy(model, prompts, torch.float16)
