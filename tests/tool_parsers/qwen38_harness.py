@@ -73,6 +73,12 @@ def render_call(name: str, arguments: dict[str, str]) -> str:
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
+def issues_of(parser: Any) -> list[dict[str, Any]]:
+    """tool_call_issues of the request's tool parser (stock composes the two adapters' engines)."""
+    engine = parser._tool_parser._parser_engine
+    return [{k: v for k, v in issue.items() if k != "id"} for issue in engine.tool_call_issues]
+
+
 @dataclass
 class Parsed:
     reasoning: str | None
@@ -80,6 +86,8 @@ class Parsed:
     calls: list[tuple[str, str]] = field(default_factory=list)
     # Streaming only: (text of the chunk, content the parser returned for it).
     chunks: list[tuple[str, str | None]] = field(default_factory=list)
+    # What the parser reported as dropped (tool_call_issues), without the random call ids.
+    issues: list[dict[str, Any]] = field(default_factory=list)
 
     def arguments(self, index: int) -> Any:
         return json.loads(self.calls[index][1])
@@ -141,7 +149,9 @@ class Qwen38Harness:
         reasoning, content, calls = parser.parse(
             self.decode(ids), request, enable_auto_tools=True, model_output_token_ids=list(ids)
         )
-        return Parsed(reasoning, content, [(call.name, call.arguments) for call in calls or []])
+        return Parsed(
+            reasoning, content, [(call.name, call.arguments) for call in calls or []], issues=issues_of(parser)
+        )
 
     def parse_both(self, ids: Sequence[int], request_fields: dict[str, Any], thinking: bool) -> tuple[Parsed, Parsed]:
         """Non-streamed parse and token-by-token stream of the same output."""
@@ -191,4 +201,5 @@ class Qwen38Harness:
             "".join(content) or None,
             [(name, args) for _, (name, args) in sorted(calls.items())],
             chunks,
+            issues_of(parser),
         )

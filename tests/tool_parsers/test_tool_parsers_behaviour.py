@@ -83,13 +83,22 @@ def test_unknown_function_is_dropped_and_named_in_a_warning(
     text = render_call("delete_everything", {"path": "/"}) + "\n" + WEATHER
     for parsed in harness.parse_both(harness.encode(text), {"tool_choice": "auto"}, thinking=False):
         assert parsed.calls == [("get_weather", '{"city": "Paris", "days": 3}')]
+        assert parsed.issues == [
+            {"issue": "unknown_function", "action": "dropped_call", "index": 0, "name": "delete_everything"}
+        ]
     assert any("'delete_everything'" in r.getMessage() for r in caplog.records)
 
 
-def test_value_not_matching_its_type_is_kept_as_text(harness: Qwen38Harness) -> None:
-    text = render_call("get_weather", {"city": "Oslo", "days": "a week"})
+@pytest.mark.parametrize("days", ["a week", "3.5", "true"])
+def test_value_not_matching_its_type_is_dropped_and_reported(harness: Qwen38Harness, days: str) -> None:
+    # `days` is an integer; the valid argument stays, the other is left out and reported.
+    text = render_call("get_weather", {"days": days, "city": "Oslo"})
     for parsed in harness.parse_both(harness.encode(text), {"tool_choice": "auto"}, thinking=False):
-        assert parsed.arguments(0) == {"city": "Oslo", "days": "a week"}
+        assert parsed.arguments(0) == {"city": "Oslo"}
+        (issue,) = parsed.issues
+        assert (issue["issue"], issue["action"], issue["argument"]) == ("type_mismatch", "dropped_argument", "days")
+        assert issue["expected"] == ["integer"]
+        assert str(issue["value"]).lower() == days
 
 
 @pytest.mark.parametrize(
@@ -100,6 +109,8 @@ def test_value_not_matching_its_type_is_kept_as_text(harness: Qwen38Harness) -> 
         "<tool_call>\n<function=get_weather\n</function>\n</tool_call>",
         "<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>",
         "</parameter></function></tool_call><parameter=x>",
+        "<tool_call>\nhello\n</tool_call>",
+        "<tool_call>\n<function=>\n</function>\n</tool_call>",
     ],
 )
 @pytest.mark.parametrize("tool_choice", ["auto", "required", "none"])
@@ -109,23 +120,53 @@ def test_malformed_markup_never_raises_and_both_paths_agree(
     ids = harness.encode("Sure. " + markup)
     full, streamed = harness.parse_both(ids, {"tool_choice": tool_choice}, thinking=False)
     assert (full.content or None, full.calls) == (streamed.content or None, streamed.calls)
+    assert full.issues == streamed.issues
     for name, _ in full.calls:
         assert name == "get_weather"
+    # A <tool_call> block that yields no call is reported as dropped, never silently lost.
+    if tool_choice != "none":
+        blocks = markup.count("<tool_call>") - markup.count("<tool_call>\n<tool_call>")
+        reported = [i for i in full.issues if i["action"] == "dropped_call"]
+        assert len(full.calls) + len(reported) >= min(blocks, 1)
+        assert all(i["issue"] == "malformed" and i["name"] is None for i in reported)
 
 
 # Values that contain the closing tags
 
 
-def test_literal_closing_tags_inside_a_string_value(harness: Qwen38Harness) -> None:
-    content = "x = '</function>'\ny = '</parameter>'\n</tool_call> stays"
-    text = render_call("write_file", {"path": "t.py", "content": content})
+@pytest.mark.parametrize(
+    "content",
+    [
+        "x = '</function>'\ny = '</parameter>'\n</tool_call> stays",
+        # The full terminator sequence inside a value: not followed by the end of the call.
+        "a</parameter>\n</function>\nmore",
+        "a</parameter>\n</function>",
+        "a</parameter>\n</function></parameter>\n</function>b",
+    ],
+)
+def test_literal_closing_tags_inside_a_string_value(harness: Qwen38Harness, content: str) -> None:
+    text = render_call("write_file", {"path": "t.py", "content": content}) + "\n" + WEATHER
     for parsed in harness.parse_both(harness.encode(text), {"tool_choice": "auto"}, thinking=False):
         assert parsed.arguments(0) == {"path": "t.py", "content": content}
+        assert parsed.calls[1] == ("get_weather", '{"city": "Paris", "days": 3}')
+        assert parsed.issues == []
+
+
+def test_terminator_followed_by_the_end_of_the_call_still_cuts_a_value(harness: Qwen38Harness) -> None:
+    """The documented limit: `</parameter>`, `</function>`, `</tool_call>` in a row inside a value."""
+    content = "a</parameter>\n</function>\n</tool_call> rest"
+    text = render_call("write_file", {"path": "t.py", "content": content})
+    full, streamed = harness.parse_both(harness.encode(text), {"tool_choice": "auto"}, thinking=False)
+    assert full.calls == streamed.calls == [("write_file", '{"path": "t.py", "content": "a"}')]
+    assert full.content == streamed.content
 
 
 def test_parse_parameters_closes_a_value_only_before_a_tag() -> None:
     body = "\n<parameter=a>\n1</parameter>2\n</parameter>\n<parameter=b>\nz\n</parameter>\n"
     assert parse_parameters(body) == {"a": "1</parameter>2", "b": "z"}
+    body = "\n<parameter=a>\n1</parameter>\n</function>\n2\n</parameter>\n"
+    assert parse_parameters(body) == {"a": "1</parameter>\n</function>\n2"}
+    assert parse_parameters("\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>") == {"a": "1"}
     assert parse_parameters("\n<parameter=a>\nop", partial=True) == {"a": "op"}
     assert parse_parameters("\n<parameter=a", partial=True) == {}
 
@@ -141,6 +182,8 @@ def test_call_cut_short_keeps_its_arguments_and_is_remembered(harness: Qwen38Har
     assert full.calls == streamed.calls
     assert [name for name, _ in full.calls] == ["get_weather", "write_file"]
     assert full.arguments(1)["path"] == "notes.txt"
+    assert full.issues == streamed.issues
+    assert full.issues == [{"issue": "cut_short", "action": "kept_incomplete", "index": 1, "name": "write_file"}]
     parser, request = harness._new_parser(harness.request(), thinking=False)
     _, _, calls = parser.parse(harness.decode(ids), request, enable_auto_tools=True)
     assert [is_truncated_call(call.id) for call in calls] == [False, True]
@@ -221,3 +264,19 @@ def test_engine_shape_check_fails_loudly_when_vllm_changes() -> None:
     assert "Renamed._on_terminal('self', 'terminal', 'text')" in message
     assert "Renamed._emit_for_state is missing" in message
     assert "stock qwen3_coder" in message
+
+
+def test_json_answer_flag_keeps_the_marker_out_of_the_grammar(harness: Qwen38Harness) -> None:
+    """In the engine core, a `<tool_call>` that ended the reasoning is the grammar's first token,
+    except for requests the middleware flagged as JSON answers (their grammar would reject it)."""
+    from tool_parsers.qwen38 import JSON_ANSWER_KWARG, Qwen38ReasoningParser
+
+    ids = harness.encode('Hm.<tool_call>{"a": 1}')
+    marker = harness.encode("<tool_call>")[0]
+    plain = Qwen38ReasoningParser(harness.tokenizer, chat_template_kwargs={"enable_thinking": True})
+    flagged = Qwen38ReasoningParser(
+        harness.tokenizer, chat_template_kwargs={"enable_thinking": True, JSON_ANSWER_KWARG: True}
+    )
+    end = plain.find_reasoning_end(ids)
+    assert end is not None and ids[end.offset] == marker and end.implicit
+    assert flagged.find_reasoning_end(ids) == end._replace(implicit=False)

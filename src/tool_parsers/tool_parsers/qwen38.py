@@ -5,17 +5,22 @@ already carries most of the forks' tool-calling fixes. What this module changes:
 
 * Parameter values are delimited by context, not by the first closing tag: a
   `</function>` inside a value is text, and a `</parameter>` only closes a value
-  when whitespace and then `<parameter=` or `</function>` (or the end) follow.
+  when whitespace and then `<parameter=`, or `</function>` that itself ends the
+  call (followed by `</tool_call>`, `<tool_call>`, `<function=` or the end of the
+  output), follow. Streaming holds such a `</function>` back until that is known.
 * A call left open at the end of the output (max_tokens) keeps the arguments
   it has, in streaming and non-streaming alike, and its id is remembered so the
   Anthropic layer can leave it out (see `tool_parsers.middleware`).
-* Calls to functions that are not among the request's tools are dropped, with a
-  warning that names them.
+* Calls to functions that are not among the request's tools, `<tool_call>` blocks
+  without a function name, and arguments whose value does not match the
+  parameter's schema type are dropped; each is reported (`tool_call_issues`, see
+  `tool_parsers.request_context`) so the response can say what was dropped.
 * `$ref` parameters are converted by the type of the referenced schema.
 * `tool_choice="none"`: tool-call markup is returned verbatim as content, with
   nothing held back, streaming and non-streaming.
 * A JSON answer (response_format / structured outputs JSON, no tool calling)
-  never starts with the `<tool_call>` marker that ended the reasoning.
+  never starts with the `<tool_call>` marker that ended the reasoning, and (with
+  the middleware's request flag) the marker is not fed to the JSON grammar.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from enum import Enum
@@ -34,10 +40,14 @@ from vllm.entrypoints.generate.base.protocol import DeltaMessage, ExtractedToolC
 from vllm.exceptions import VLLMValidationError
 from vllm.parser.engine.adapters import ParserEngineReasoningAdapter, ParserEngineToolAdapter
 from vllm.parser.engine.events import EventType, SemanticEvent
+from vllm.parser.engine.parser_engine import ParserEngine, ReasoningEnd
 from vllm.parser.engine.parser_engine_config import ParserEngineConfig, ParserState
 from vllm.parser.engine.streaming_parser_engine import StreamingParserEngine
+from vllm.parser.engine.token_id_scanner import DROP_TERMINAL
 from vllm.parser.qwen3 import Qwen3Parser, qwen3_config
+from vllm.tool_parsers.utils import extract_types_from_schema, find_tool_properties
 
+from tool_parsers.request_context import report_issues
 from tool_parsers.schema_refs import resolve_tool_refs, tool_parameters, unresolved_local_refs
 
 logger = logging.getLogger("vllm.plugins.tool_parsers.qwen38")
@@ -46,6 +56,11 @@ TOOL_CALL_START = "<tool_call>"
 PARAM_OPEN = "<parameter="
 PARAM_CLOSE = "</parameter>"
 FUNCTION_CLOSE = "</function>"
+# What may follow a `</function>` that really ends a call (besides whitespace and the end).
+CALL_FOLLOWERS = ("</tool_call>", "<tool_call>", "<function=")
+# A request flag in chat_template_kwargs, set by the middleware for requests whose answer
+# must be JSON and that cannot call tools; the engine core's reasoning parser reads it.
+JSON_ANSWER_KWARG = "tool_parsers_json_answer"
 
 _TOOL_EVENT_TYPES = frozenset(
     (EventType.TOOL_CALL_START, EventType.TOOL_NAME, EventType.ARG_VALUE_CHUNK, EventType.TOOL_CALL_END)
@@ -59,6 +74,8 @@ _TOOL_EVENT_TYPES = frozenset(
 EXPECTED_VLLM_SHAPE: dict[type, dict[str, tuple[str, ...]]] = {
     StreamingParserEngine: {
         "reset": ("self", "initial_state"),
+        "_process_scanner_items": ("self", "items"),
+        "_record_reasoning_tokens": ("self", "events"),
         "_on_terminal": ("self", "terminal", "value", "token_count"),
         "_emit_for_state": ("self", "text", "token_count"),
         "_apply_transition": ("self", "transition", "value", "token_count"),
@@ -74,6 +91,10 @@ EXPECTED_VLLM_SHAPE: dict[type, dict[str, tuple[str, ...]]] = {
         "_reset": ("self", "initial_state"),
         "_single_pass_parse": ("self", "text", "token_ids", "initial_state"),
         "_build_extracted_result": ("self", "deltas"),
+        "_fix_arg_types": ("self", "args_json", "func_name"),
+        "_safe_arg_prefix": ("json_str", "string_keys"),
+        "_extract_name_and_args": ("self", "raw_body"),
+        "find_reasoning_end": ("self", "token_ids"),
         "extract_tool_calls_from_content": ("self", "content", "request"),
         "extract_tool_calls_streaming": (
             "self",
@@ -126,12 +147,21 @@ def _strip_template_newlines(value: str) -> str:
 
 
 def _closes_value(after: str, partial: bool) -> bool:
-    """Whether a `</parameter>` followed by `after` ends the value (not text inside it)."""
+    """Whether a `</parameter>` followed by `after` ends the value (not text inside it).
+
+    It does when whitespace and then `<parameter=` follow, or a `</function>` that
+    ends the call: one followed by whitespace and then `</tool_call>`, `<tool_call>`,
+    `<function=` or nothing. The streaming engine applies the same rule to the
+    `</function>` itself (see `Qwen38StreamingEngine`).
+    """
     rest = after.lstrip()
-    if not rest:
+    if not rest or rest.startswith(PARAM_OPEN):
         return True
-    if rest.startswith((PARAM_OPEN, FUNCTION_CLOSE)):
-        return True
+    if rest.startswith(FUNCTION_CLOSE):
+        tail = rest[len(FUNCTION_CLOSE) :].lstrip()
+        if not tail or tail.startswith(CALL_FOLLOWERS):
+            return True
+        return partial and any(follower.startswith(tail) for follower in CALL_FOLLOWERS)
     # While streaming, the next tag may still be arriving.
     return partial and (PARAM_OPEN.startswith(rest) or FUNCTION_CLOSE.startswith(rest))
 
@@ -218,21 +248,54 @@ class _ValuePosition(Enum):
     AFTER_CLOSE = "after_close"  # just after a `</parameter>`, only whitespace since
 
 
+# Terminals after which a held `</function>` (see below) really ended the call. A
+# special token the engine drops (e.g. an end-of-turn marker) ends it too.
+_CALL_END_FOLLOWERS = frozenset(("TOOL_END", "TOOL_START", "FUNC_PREFIX", DROP_TERMINAL))
+
+
 class Qwen38StreamingEngine(StreamingParserEngine):
     """Stock streaming engine that knows whether it is inside a parameter value.
 
     Inside a value, `</function>` and `<parameter=` are text. A `</parameter>`
     followed by anything but whitespace or a new tag was text too, so the
-    engine goes back inside the value. This matches `parse_parameters`.
+    engine goes back inside the value. A `</function>` right after a
+    `</parameter>` (only whitespace between) ends the call only if whitespace
+    and then `</tool_call>`, `<tool_call>`, `<function=` or the end of the output
+    follow; until that is known it is held back, and otherwise it (and the
+    `</parameter>` before it) was text of the value. This matches `parse_parameters`.
     """
 
     def reset(self, initial_state: ParserState | None = None) -> None:
         super().reset(initial_state=initial_state)
         self._value_position = _ValuePosition.OUTSIDE
+        self._held_function_end: list[tuple[str, int]] | None = None
         self.truncated_tool_indices: list[int] = []
 
+    def _commit_function_end(self) -> list[SemanticEvent]:
+        held, self._held_function_end = self._held_function_end or [], None
+        value, token_count = held[0]
+        events = super()._on_terminal("FUNC_END", value, token_count)
+        self._value_position = _ValuePosition.OUTSIDE
+        for text, count in held[1:]:
+            events.extend(super()._emit_for_state(text, count))
+        return events
+
+    def _release_function_end(self) -> list[SemanticEvent]:
+        held, self._held_function_end = self._held_function_end or [], None
+        self._value_position = _ValuePosition.INSIDE
+        events: list[SemanticEvent] = []
+        for text, count in held:
+            events.extend(super()._emit_for_state(text, count))
+        return events
+
     def _on_terminal(self, terminal: str, value: str, token_count: int = 0) -> list[SemanticEvent]:
+        if self._held_function_end is not None:
+            decided = self._commit_function_end() if terminal in _CALL_END_FOLLOWERS else self._release_function_end()
+            return decided + self._on_terminal(terminal, value, token_count)
         if self.state is ParserState.TOOL_ARGS and not self.skip_tool_parsing:
+            if terminal == "FUNC_END" and self._value_position is _ValuePosition.AFTER_CLOSE:
+                self._held_function_end = [(value, token_count)]
+                return []
             inside = self._value_position is _ValuePosition.INSIDE
             if terminal == "FUNC_END" and inside:
                 return self._emit_for_state(value, token_count)
@@ -249,6 +312,11 @@ class Qwen38StreamingEngine(StreamingParserEngine):
         return super()._on_terminal(terminal, value, token_count)
 
     def _emit_for_state(self, text: str, token_count: int = 0) -> list[SemanticEvent]:
+        if self._held_function_end is not None:
+            if not text.strip():
+                self._held_function_end.append((text, token_count))
+                return []
+            return self._release_function_end() + self._emit_for_state(text, token_count)
         if self.state is ParserState.TOOL_ARGS and self._value_position is _ValuePosition.AFTER_CLOSE and text.strip():
             self._value_position = _ValuePosition.INSIDE
         return super()._emit_for_state(text, token_count)
@@ -274,10 +342,17 @@ class Qwen38StreamingEngine(StreamingParserEngine):
             self._ever_had_token_ids = had_ids
 
     def finish(self) -> list[SemanticEvent]:
+        # Flush what the scanner and lexer still hold first: a held `</function>` followed
+        # only by whitespace up to the end of the output ended its call.
+        events = self._process_scanner_items(self._scanner.flush_pending())
+        events.extend(self._process_lex_tokens(self._lexer.flush()))
+        if self._held_function_end is not None:
+            events.extend(self._commit_function_end())
+        self._record_reasoning_tokens(events)
         # A call whose `</function>` never came was cut short (max_tokens or a stop string).
         if self.state in (ParserState.TOOL_NAME, ParserState.TOOL_ARGS) and self.tool_index >= 0:
             self.truncated_tool_indices.append(self.tool_index)
-        return super().finish()
+        return events + super().finish()
 
 
 # ── Parser engine ───────────────────────────────────────────────────────────
@@ -298,6 +373,26 @@ def _wants_json_answer(request: Any) -> bool:
     return bool(getattr(params, "json_object", False)) or getattr(params, "json", None) is not None
 
 
+_JSON_TYPE_CHECKS: dict[str, Any] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+
+def _matches_types(value: Any, types: Sequence[str]) -> bool:
+    """Whether a converted argument has one of the schema's JSON types (unknown type names match)."""
+    return any(_JSON_TYPE_CHECKS.get(kind, lambda v: True)(value) for kind in types) if types else True
+
+
+# A trailing `"key": ` whose value the stream withholds, with the separator before it.
+_TRAILING_KEY = re.compile(r'(?:,\s*)?"(?:[^"\\]|\\.)*"\s*:\s*$')
+
+
 class Qwen38Parser(Qwen3Parser):
     """Stock Qwen3 parser engine with the fixes listed in the module docstring."""
 
@@ -310,6 +405,14 @@ class Qwen38Parser(Qwen3Parser):
         super().__init__(tokenizer, resolved, **kwargs)
         self._resolved_tools = resolved
         self._engine = Qwen38StreamingEngine(self.parser_engine_config, tokenizer, vocab=self.vocab)
+        if not all(hasattr(self._engine, name) for name in ("_scanner", "_lexer")):
+            raise RuntimeError(
+                f"tool_parsers.qwen38: vLLM {vllm_version}'s StreamingParserEngine has no _scanner / _lexer; "
+                f"use a supported vLLM (0.32 / 0.33) or stock qwen3_coder / qwen3"
+            )
+        # Set by the middleware for JSON answers (see JSON_ANSWER_KWARG); read in the engine core.
+        self._json_answer_flag = bool(chat_kwargs.get(JSON_ANSWER_KWARG))
+        self.tool_call_issues: list[dict[str, Any]] = []
         self._request_tools: object = tools
         self._markup_passthrough = False
         self._call_forced = False
@@ -333,6 +436,102 @@ class Qwen38Parser(Qwen3Parser):
                     value=missing[0],
                 )
         return super().adjust_request(request)
+
+    def find_reasoning_end(self, token_ids: Sequence[int]) -> ReasoningEnd | None:
+        # Stock feeds a `<tool_call>` that ended the reasoning to the grammar, as the first
+        # token of a tool call. A JSON answer's grammar rejects it, and vLLM then ends the
+        # request with an internal error; for those requests the grammar starts after it
+        # (the parser drops the marker from the content).
+        end = super().find_reasoning_end(token_ids)
+        if end is not None and end.implicit and self._json_answer_flag:
+            return end._replace(implicit=False)
+        return end
+
+    # Arguments that do not match their schema type
+
+    def _mismatched_arguments(self, args_json: str, name: str) -> list[tuple[str, Any, list[str]]]:
+        """(key, value, expected types) of each converted argument whose type the schema rules out."""
+        if not self._tools or not name:
+            return []
+        try:
+            args = json.loads(args_json)
+        except ValueError:
+            return []
+        properties = find_tool_properties(self._tools, name)
+        if not isinstance(args, dict) or not properties:
+            return []
+        mismatched = []
+        for key, value in args.items():
+            schema = properties.get(key)
+            if isinstance(schema, dict):
+                types = extract_types_from_schema(schema)
+                if not _matches_types(value, types):
+                    mismatched.append((key, value, sorted(types)))
+        return mismatched
+
+    def _fix_arg_types(self, args_json: str, func_name: str) -> str:
+        fixed = super()._fix_arg_types(args_json, func_name)
+        mismatched = self._mismatched_arguments(fixed, func_name)
+        if not mismatched:
+            return fixed
+        args = json.loads(fixed)
+        for key, _, _ in mismatched:
+            del args[key]
+        return json.dumps(args, ensure_ascii=False)
+
+    @staticmethod
+    def _safe_arg_prefix(json_str: str, string_keys: set[str] | None = None) -> str:
+        # Stock streams `"key": ` before a non-string value is complete. Such a value may
+        # still turn out not to match its type and be dropped, so the key waits with it.
+        prefix = ParserEngine._safe_arg_prefix(json_str, string_keys)
+        if not prefix.rstrip().endswith(":"):
+            return prefix
+        match = _TRAILING_KEY.search(prefix)
+        return prefix[: match.start()] if match else prefix
+
+    # What was dropped, for the response (tool_call_issues)
+
+    def _collect_issues(self) -> list[dict[str, Any]]:
+        issues: list[dict[str, Any]] = []
+        truncated = set(self._engine.truncated_tool_indices)  # type: ignore[attr-defined]
+        for index, slot in enumerate(self._tool_slots):
+            name, raw = slot.name.strip(), slot.args
+            if not name and raw.strip():
+                name, _ = self._extract_name_and_args(raw)
+            if not self._accept_tool_name(name):
+                if name:
+                    issues.append({"issue": "unknown_function", "action": "dropped_call", "index": index, "name": name})
+                else:
+                    detail = "a <tool_call> without <function=NAME>"
+                    issues.append(
+                        {"issue": "malformed", "action": "dropped_call", "index": index, "name": None, "detail": detail}
+                    )
+                continue
+            call_id = slot.id or None
+            converted = ParserEngine._fix_arg_types(self, convert_arguments(raw, False), name)
+            for key, value, expected in self._mismatched_arguments(converted, name):
+                issues.append(
+                    {
+                        "issue": "type_mismatch",
+                        "action": "dropped_argument",
+                        "index": index,
+                        "id": call_id,
+                        "name": name,
+                        "argument": key,
+                        "expected": expected,
+                        "value": value,
+                    }
+                )
+            if index in truncated:
+                issues.append(
+                    {"issue": "cut_short", "action": "kept_incomplete", "index": index, "id": call_id, "name": name}
+                )
+        return issues
+
+    def _publish_issues(self) -> None:
+        self._remember_truncated_calls()
+        self.tool_call_issues = self._collect_issues()
+        report_issues(self.tool_call_issues)
 
     # Request-dependent modes
 
@@ -387,7 +586,10 @@ class Qwen38Parser(Qwen3Parser):
                     )
                     self._deferred_content = ""
                     break
-        return super()._events_to_delta(events, finished)
+        delta = super()._events_to_delta(events, finished)
+        if finished:
+            self._publish_issues()
+        return delta
 
     def _trim_pending_name(self, index: int) -> None:
         # Non-streaming strips the function name before checking it; streaming must
@@ -458,7 +660,7 @@ class Qwen38Parser(Qwen3Parser):
 
     def _build_extracted_result(self, *deltas: DeltaMessage | None) -> ExtractedToolCallInformation:
         result = super()._build_extracted_result(*deltas)
-        self._remember_truncated_calls()
+        self._publish_issues()
         return result
 
     # Streaming
@@ -509,7 +711,7 @@ class Qwen38Parser(Qwen3Parser):
             delta.content = None
             if not delta.tool_calls and not delta.reasoning:
                 delta = None
-        self._remember_truncated_calls()
+        self._publish_issues()
         return delta
 
     def _remember_truncated_calls(self) -> None:
