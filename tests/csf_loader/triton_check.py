@@ -13,6 +13,14 @@ import torch
 from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, CsfPlane, decode, encode
 from csf_loader.triton_decode import decode_triton, decode_triton_stacked
 
+# Launch shapes of the fused kernel: one program per plane, one per slab (exceptions split
+# between programs), narrow chunks and several chunks per step, a partial last program.
+FUSED_TUNINGS: list[dict[str, int]] = [
+    {},
+    {"rows_per_prog": 16, "chunk": 16, "block_ch": 2},
+    {"rows_per_prog": 32, "chunk": 32, "block_ch": 4, "num_warps": 1, "prefetch": 0},
+]
+
 
 def cases(codec: CsfCodec) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
@@ -39,43 +47,55 @@ def main() -> int:
             plane = encode(scales, codec)
             reference = decode(plane, codec, rows, cols)
             on_device = CsfPlane(plane.fixed.to(device), plane.exceptions.to(device))
-            for variant in ("bytes", "cols", "words") if cols % 8 == 0 else ("bytes", "cols", "auto"):
-                got = decode_triton(on_device, codec, rows, cols, variant=variant).cpu()
-                checked += 1
-                if not (torch.equal(got, reference) and torch.equal(reference, scales)):
-                    mismatches += 1
-                    print(f"MISMATCH {codec.family} {label} {variant}")
-        # A plane whose every scale is an exception, fixed stream all zero.
-        rows, cols = 16, 24
+            variants = ["bytes", "cols", "auto"]
+            if cols % 8 == 0:
+                variants += ["words", "fused"]
+            for variant in variants:
+                tunings = FUSED_TUNINGS if variant in ("fused", "auto") and cols % 8 == 0 else [{}]
+                for tuning in tunings:
+                    out = torch.full((rows, cols), 0xA5, dtype=torch.uint8, device=device)  # poison
+                    got = decode_triton(on_device, codec, rows, cols, out=out, variant=variant, **tuning).cpu()
+                    checked += 1
+                    if not (torch.equal(got, reference) and torch.equal(reference, scales)):
+                        mismatches += 1
+                        print(f"MISMATCH {codec.family} {label} {variant} {tuning}")
+        # A plane whose every scale is an exception, fixed stream all zero (more words than
+        # the fused kernel samples, spread over several programs).
+        rows, cols = 48, 24
         values = torch.arange(rows * cols, dtype=torch.int64) * 7 % 256
         words = (torch.arange(rows * cols, dtype=torch.int64) | (values << 24)).to(torch.uint32)
         plane = CsfPlane(torch.zeros(codec.fixed_shape(rows, cols), dtype=torch.uint8, device=device), words.to(device))
-        got = decode_triton(plane, codec, rows, cols).cpu()
-        checked += 1
-        if not torch.equal(got.reshape(-1).to(torch.int64), values):
-            mismatches += 1
-            print(f"MISMATCH {codec.family} every scale an exception")
+        for variant, tuning in [("auto", {}), ("fused", {"rows_per_prog": 16}), ("bytes", {})]:
+            got = decode_triton(plane, codec, rows, cols, variant=variant, **tuning).cpu()
+            checked += 1
+            if not torch.equal(got.reshape(-1).to(torch.int64), values):
+                mismatches += 1
+                print(f"MISMATCH {codec.family} every scale an exception {variant} {tuning}")
         # Several planes ("experts") decoded in one stacked launch.
-        experts, rows, cols = 3, 32, 18
-        g = torch.Generator().manual_seed(11)
-        stack = torch.randint(60, 90, (experts, rows, cols), generator=g).to(torch.uint8)
-        encoded = [encode(stack[e], codec) for e in range(experts)]
-        counts = torch.tensor([0] + [p.exceptions.numel() for p in encoded], dtype=torch.int64)
-        out = torch.empty(experts, rows, cols, dtype=torch.uint8, device=device)
-        decode_triton_stacked(
-            torch.cat([p.fixed.reshape(-1) for p in encoded]).to(device),
-            torch.cat([p.exceptions for p in encoded]).to(device),
-            counts.cumsum(0).to(device),
-            codec,
-            experts,
-            rows,
-            cols,
-            out,
-        )
-        checked += 1
-        if not torch.equal(out.cpu(), stack):
-            mismatches += 1
-            print(f"MISMATCH {codec.family} stacked")
+        # Several planes ("experts") decoded in one stacked launch; one plane without exceptions.
+        for experts, rows, cols in [(3, 32, 18), (4, 48, 24)]:
+            g = torch.Generator().manual_seed(11)
+            stack = torch.randint(60, 90, (experts, rows, cols), generator=g).to(torch.uint8)
+            stack[1] = 70
+            encoded = [encode(stack[e], codec) for e in range(experts)]
+            counts = torch.tensor([0] + [p.exceptions.numel() for p in encoded], dtype=torch.int64)
+            for tuning in FUSED_TUNINGS if cols % 8 == 0 else [{}]:
+                out = torch.full((experts, rows, cols), 0xA5, dtype=torch.uint8, device=device)
+                decode_triton_stacked(
+                    torch.cat([p.fixed.reshape(-1) for p in encoded]).to(device),
+                    torch.cat([p.exceptions for p in encoded]).to(device),
+                    counts.cumsum(0).to(device),
+                    codec,
+                    experts,
+                    rows,
+                    cols,
+                    out,
+                    **tuning,
+                )
+                checked += 1
+                if not torch.equal(out.cpu(), stack):
+                    mismatches += 1
+                    print(f"MISMATCH {codec.family} stacked {experts}x{rows}x{cols} {tuning}")
     print(f"device={device} cases={checked} mismatches={mismatches}")
     return 1 if mismatches else 0
 

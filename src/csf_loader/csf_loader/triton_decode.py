@@ -4,10 +4,18 @@ The plain-torch reference is ``csf_loader.codec.decode``; tests compare the two
 bit for bit under ``TRITON_INTERPRET=1`` on CPU and on CUDA. Triton is optional:
 importing this module without it works, calling the kernels does not.
 
-Two launches on one stream: the first writes ``base + offset`` for every scale
-(each program owns a tile of rows x output columns and reads only its packed
-bytes), the second scatters the exception words over it. Stream order makes the
-second see the first's writes.
+Default ("fused", where ``cols % 8 == 0``): one launch. Each program owns a run of
+whole 16-row slabs of one plane; it expands the packed offsets of those slabs in
+wide contiguous chunks (16-byte loads of the stream, 8 output bytes per packed unit
+built with a few 32-bit integer operations, 16-byte stores), then, after a barrier
+that orders its own stores, applies the exception words whose positions fall in its
+rows. It finds them by sampling the plane's sorted exception list, so each program
+reads only its own words (plus at most two sample gaps), and the exception bytes land
+in L2 lines it has just written instead of in evicted ones.
+
+Fallbacks (any column count): the fixed stream is expanded by one kernel and the
+exception words are scattered by a second launch on the same stream (stream order
+makes the second see the first's writes).
 """
 
 from __future__ import annotations
@@ -27,12 +35,124 @@ except ImportError:  # pragma: no cover - exercised only without triton
     HAVE_TRITON = False
 
 _fixed_kernel: Any = None
-_exceptions_kernel: Any = None
 _fixed_bytes_kernel: Any = None
 _fixed_words_kernel: Any = None
 _stacked_exceptions_kernel: Any = None
+_fused_kernel: Any = None
 
 if HAVE_TRITON:
+
+    @triton.jit
+    def _exception_bracket(words_ptr, begin, end, lo_pos, hi_pos, SAMPLES: tl.constexpr):  # type: ignore[no-untyped-def]
+        """[first, stop) of the sorted words[begin:end] that can hold positions in [lo_pos, hi_pos)."""
+        n = end - begin
+        s = tl.arange(0, SAMPLES).to(tl.int64)
+        sampled = tl.load(words_ptr + begin + s * n // SAMPLES, mask=(s * 0 + n) > 0, other=0) & 0xFFFFFF
+        below_lo = tl.sum((sampled < lo_pos).to(tl.int64), axis=0)
+        below_hi = tl.sum((sampled < hi_pos).to(tl.int64), axis=0)
+        first = begin + tl.maximum(below_lo - 1, 0) * n // SAMPLES
+        stop = tl.where(n > 0, tl.where(below_hi < SAMPLES, begin + below_hi * n // SAMPLES, end), begin)
+        return first, stop
+
+    @triton.jit
+    def _csf_fused_kernel(  # type: ignore[no-untyped-def]
+        fixed_ptr,
+        units_ptr,
+        words_ptr,
+        starts_ptr,
+        out_ptr,
+        rows,
+        progs_per_plane,
+        COLS: tl.constexpr,
+        OFFSET_BITS: tl.constexpr,
+        ROWS_PER_PROG: tl.constexpr,
+        CW: tl.constexpr,
+        BLOCK_CH: tl.constexpr,
+        SAMPLES: tl.constexpr,
+        EBLOCK: tl.constexpr,
+        APPLY_EXCEPTIONS: tl.constexpr,
+        STREAMING_STORES: tl.constexpr,
+        PREFETCH: tl.constexpr,
+    ):
+        # Needs COLS % 8 == 0. Both codecs then have U = COLS // 8 packed units per row
+        # (NVFP4: int32 words of 8 nibbles, read through units_ptr; MXFP4: bytes of 8 bits)
+        # and every unit expands to one 8-byte output word. A slab's 16 * U units are
+        # contiguous in the stream right after its 16 base bytes, and its 16 * U output
+        # words are contiguous in out, so the slab is cut into CPS chunks of CW units
+        # (CW a power of two dividing 16 * U) with no masked lanes.
+        U: tl.constexpr = COLS // 8
+        PACKED: tl.constexpr = COLS // 2 if OFFSET_BITS == 4 else COLS // 8
+        SLAB_BYTES: tl.constexpr = 16 * (1 + PACKED)
+        CPS: tl.constexpr = 16 * U // CW
+        ITERS: tl.constexpr = (ROWS_PER_PROG // 16 * CPS + BLOCK_CH - 1) // BLOCK_CH
+        pid = tl.program_id(0)
+        e = pid // progs_per_plane
+        r0 = (pid % progs_per_plane) * ROWS_PER_PROG
+        r1 = tl.minimum(r0 + ROWS_PER_PROG, rows)
+        n_chunks = (r1 - r0) // 16 * CPS
+        slab0 = e.to(tl.int64) * (rows // 16) + r0 // 16
+        j = tl.arange(0, CW)
+        out_words = out_ptr.to(tl.pointer_type(tl.int64))
+        if APPLY_EXCEPTIONS:
+            # Positions are sorted, so SAMPLES evenly spaced words bracket this program's
+            # [lo_pos, hi_pos) to within two sample gaps. With PREFETCH the bracket and the
+            # first EBLOCK words are loaded before the expansion (their latency then hides
+            # behind it), else after it.
+            begin = tl.load(starts_ptr + e)
+            end = tl.load(starts_ptr + e + 1)
+            lo_pos = r0 * COLS
+            hi_pos = r1 * COLS
+            if PREFETCH:
+                first, stop = _exception_bracket(words_ptr, begin, end, lo_pos, hi_pos, SAMPLES)
+                k0 = first + tl.arange(0, EBLOCK)
+                word0 = tl.load(words_ptr + k0, mask=k0 < stop, other=0)
+        for it in range(ITERS):
+            c = it * BLOCK_CH + tl.arange(0, BLOCK_CH)
+            ok = (c < n_chunks)[:, None]
+            slab = slab0 + c // CPS
+            u = (c % CPS)[:, None] * CW + j[None, :]  # unit within the slab's code area
+            slab_byte = slab * SLAB_BYTES
+            base = tl.load(fixed_ptr + slab_byte[:, None] + u // U, mask=ok, other=0).to(tl.uint32)
+            rep = base * 0x01010101
+            if OFFSET_BITS == 4:
+                unit = tl.load(units_ptr + (slab * (SLAB_BYTES // 4) + 4)[:, None] + u, mask=ok, other=0)
+                x = unit.to(tl.uint32, bitcast=True)
+                lo = x & 0xFFFF
+                hi = x >> 16
+                lo = (lo | (lo << 8)) & 0x00FF00FF
+                hi = (hi | (hi << 8)) & 0x00FF00FF
+                lo = (lo | (lo << 4)) & 0x0F0F0F0F
+                hi = (hi | (hi << 4)) & 0x0F0F0F0F
+            else:
+                b = tl.load(fixed_ptr + (slab_byte + 16)[:, None] + u, mask=ok, other=0).to(tl.uint32)
+                # Bit i of a nibble moves to bit 8 * i: the four shifted copies of the
+                # multiplier never overlap, so nothing carries.
+                lo = ((b & 0xF) * 0x00204081) & 0x01010101
+                hi = ((b >> 4) * 0x00204081) & 0x01010101
+            value = ((lo + rep).to(tl.uint64) | ((hi + rep).to(tl.uint64) << 32)).to(tl.int64, bitcast=True)
+            where = out_words + (slab * (16 * U))[:, None] + u
+            if STREAMING_STORES:
+                tl.store(where, value, mask=ok, cache_modifier=".cs")
+            else:
+                tl.store(where, value, mask=ok)
+        if APPLY_EXCEPTIONS:
+            # Exception bytes overwrite bytes this program stored above: the barrier
+            # orders every thread's stores before any exception store.
+            tl.debug_barrier()
+            plane = out_ptr + e.to(tl.int64) * rows * COLS
+            if not PREFETCH:
+                first, stop = _exception_bracket(words_ptr, begin, end, lo_pos, hi_pos, SAMPLES)
+                k0 = first + tl.arange(0, EBLOCK)
+                word0 = tl.load(words_ptr + k0, mask=k0 < stop, other=0)
+            position = word0 & 0xFFFFFF
+            hit = (k0 < stop) & (position >= lo_pos) & (position < hi_pos)
+            tl.store(plane + position, ((word0 >> 24) & 0xFF).to(tl.uint8), mask=hit)
+            for i in range(first + EBLOCK, stop, EBLOCK):
+                k = i + tl.arange(0, EBLOCK)
+                word = tl.load(words_ptr + k, mask=k < stop, other=0)
+                position = word & 0xFFFFFF
+                hit = (k < stop) & (position >= lo_pos) & (position < hi_pos)
+                tl.store(plane + position, ((word >> 24) & 0xFF).to(tl.uint8), mask=hit)
 
     @triton.jit
     def _csf_fixed_kernel(  # type: ignore[no-untyped-def]
@@ -158,17 +278,6 @@ if HAVE_TRITON:
         tl.store(out_ptr + out_off, value.to(tl.int64, bitcast=True), mask=ok)
 
     @triton.jit
-    def _csf_exceptions_kernel(  # type: ignore[no-untyped-def]
-        words_ptr, out_ptr, count, BLOCK: tl.constexpr
-    ):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < count
-        word = tl.load(words_ptr + i, mask=ok, other=0)
-        position = word & 0xFFFFFF
-        value = ((word >> 24) & 0xFF).to(tl.uint8)
-        tl.store(out_ptr + position, value, mask=ok)
-
-    @triton.jit
     def _csf_stacked_exceptions_kernel(  # type: ignore[no-untyped-def]
         words_ptr, starts_ptr, out_ptr, plane_numel, BLOCK: tl.constexpr
     ):
@@ -187,8 +296,68 @@ if HAVE_TRITON:
     _fixed_kernel = _csf_fixed_kernel
     _fixed_bytes_kernel = _csf_fixed_bytes_kernel
     _fixed_words_kernel = _csf_fixed_words_kernel
-    _exceptions_kernel = _csf_exceptions_kernel
     _stacked_exceptions_kernel = _csf_stacked_exceptions_kernel
+    _fused_kernel = _csf_fused_kernel
+
+
+def fused_applies(codec: CsfCodec, cols: int, fixed: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the one-launch kernel can decode this plane (else the two-launch fallback)."""
+    unit_align = 4 if codec.offset_bits == 4 else 1
+    return cols % 8 == 0 and fixed.data_ptr() % unit_align == 0 and out.data_ptr() % 8 == 0
+
+
+def _chunk_width(cols: int, cap: int) -> int:
+    """Largest power of two dividing a slab's 16 * cols / 8 units, at most ``cap``."""
+    units = 2 * cols  # 16 * cols // 8
+    width = units & -units
+    return max(1, min(width, cap))
+
+
+def _launch_fused(
+    fixed: torch.Tensor,
+    exceptions: torch.Tensor,
+    starts: torch.Tensor,
+    out_bytes: torch.Tensor,
+    codec: CsfCodec,
+    planes: int,
+    rows: int,
+    cols: int,
+    rows_per_prog: int,
+    chunk: int,
+    block_ch: int,
+    num_warps: int,
+    apply_exceptions: bool = True,
+    streaming: int = 0,
+    prefetch: int = 1,
+) -> Any:
+    """Launch the one-pass kernel; returns Triton's compiled-kernel handle (for its PTX)."""
+    if rows_per_prog % SLAB_ROWS:
+        raise ValueError(f"rows_per_prog must be a multiple of {SLAB_ROWS}, got {rows_per_prog}")
+    progs_per_plane = triton.cdiv(rows, rows_per_prog)
+    words = exceptions.view(torch.int32)
+    if not words.numel():  # never read (no exception pass), but Triton needs a pointer
+        words = torch.zeros(1, dtype=torch.int32, device=fixed.device)
+    units = fixed.view(torch.int32) if codec.offset_bits == 4 else fixed
+    return _fused_kernel[(planes * progs_per_plane,)](
+        fixed,
+        units,
+        words,
+        starts,
+        out_bytes,
+        rows,
+        progs_per_plane,
+        COLS=cols,
+        OFFSET_BITS=codec.offset_bits,
+        ROWS_PER_PROG=rows_per_prog,
+        CW=_chunk_width(cols, chunk),
+        BLOCK_CH=block_ch,
+        SAMPLES=64,
+        EBLOCK=256,
+        APPLY_EXCEPTIONS=apply_exceptions and exceptions.numel() > 0,
+        STREAMING_STORES=bool(streaming),
+        PREFETCH=bool(prefetch),
+        num_warps=num_warps,
+    )
 
 
 def _launch_fixed(
@@ -204,17 +373,13 @@ def _launch_fixed(
 ) -> None:
     """Write base + offset for every scale of a [rows, cols] plane (exceptions not applied).
 
-    Variants, all bit-exact: "words" (default where cols % 8 == 0 and the buffers are
-    8-byte aligned: 64-bit loads/stores, see _csf_fixed_words_kernel), "bytes" (each
-    packed byte loaded once and expanded in registers), "cols" (one load per scale).
-    "auto" picks "words" when it applies, else "bytes".
+    Variants, all bit-exact: "words" (cols % 8 == 0 and 8-byte aligned buffers: 64-bit
+    loads/stores, see _csf_fixed_words_kernel), "bytes" (each packed byte loaded once
+    and expanded in registers), "cols" (one load per scale).
     """
     packed_cols = codec.packed_cols(cols)
-    words_ok = cols % 8 == 0 and fixed.data_ptr() % 8 == 0 and out_bytes.data_ptr() % 8 == 0
-    if variant == "auto":
-        variant = "words" if words_ok else "bytes"
     if variant == "words":
-        if not words_ok:
+        if not (cols % 8 == 0 and fixed.data_ptr() % 8 == 0 and out_bytes.data_ptr() % 8 == 0):
             raise ValueError(f"the 'words' decode needs cols % 8 == 0 and 8-byte aligned buffers (cols={cols})")
         unit = fixed.view(torch.int32) if codec.offset_bits == 4 else fixed
         per_unit = 4 if codec.offset_bits == 4 else 1  # bytes per load unit
@@ -259,12 +424,15 @@ def decode_triton(
     out: torch.Tensor | None = None,
     validate: bool = True,
     what: str = "scales",
-    block_r: int = 32,
-    block_c: int = 128,
-    num_warps: int = 4,
     variant: str = "auto",
+    **tuning: int,
 ) -> torch.Tensor:
-    """Decode ``plane`` into ``out`` (uint8 or a 1-byte float view, [rows, cols])."""
+    """Decode ``plane`` into ``out`` (uint8 or a 1-byte float view, [rows, cols]).
+
+    ``variant``: "auto" ("fused" where ``cols % 8 == 0`` and the buffers are aligned,
+    else "bytes"), "fused", "words", "bytes" or "cols"; ``tuning`` overrides the launch
+    parameters (see ``decode_triton_stacked``).
+    """
     if not HAVE_TRITON:
         raise RuntimeError("csf_loader.triton_decode needs triton; use csf_loader.codec.decode")
     if validate:
@@ -274,14 +442,23 @@ def decode_triton(
         out = torch.empty(rows, cols, dtype=torch.uint8, device=device)
     if tuple(out.shape) != (rows, cols) or out.element_size() != 1 or not out.is_contiguous():
         raise ValueError(f"{what}: output must be a contiguous 1-byte [{rows}, {cols}] tensor")
-    out_bytes = out.view(torch.uint8)
-    _launch_fixed(plane.fixed.reshape(-1), out_bytes, codec, rows, cols, block_r, block_c, num_warps, variant)
-    count = plane.exceptions.numel()
-    if count:
-        block = 1024
-        words = plane.exceptions.view(torch.int32)
-        _exceptions_kernel[(triton.cdiv(count, block),)](words, out_bytes, count, BLOCK=block)
-    return out
+    starts = torch.zeros(2, dtype=torch.int64, device=device)
+    starts[1] = plane.exceptions.numel()
+    return decode_triton_stacked(
+        plane.fixed, plane.exceptions, starts, codec, 1, rows, cols, out, variant=variant, **tuning
+    )
+
+
+DEFAULT_TUNING: dict[str, int] = {
+    "rows_per_prog": 256,
+    "chunk": 128,
+    "block_ch": 8,
+    "num_warps": 4,
+    "streaming": 0,
+    "prefetch": 1,
+    "block_r": 32,
+    "block_c": 256,
+}
 
 
 def decode_triton_stacked(
@@ -293,31 +470,63 @@ def decode_triton_stacked(
     rows: int,
     cols: int,
     out: torch.Tensor,
-    block_r: int = 32,
-    block_c: int = 128,
-    num_warps: int = 4,
     max_count: int | None = None,
     variant: str = "auto",
+    **tuning: int,
 ) -> torch.Tensor:
-    """Decode ``planes`` same-shape planes (e.g. one layer's experts) in two launches.
+    """Decode ``planes`` same-shape planes (e.g. one layer's experts) into ``out``.
 
     ``fixed`` is the planes' fixed streams back to back: because a stream is a
     sequence of 16-row slabs, that is exactly the stream of one ``[planes * rows,
     cols]`` matrix. ``exceptions`` holds every plane's words back to back, plane
     ``e`` owning ``exceptions[starts[e]:starts[e + 1]]`` (int64 ``starts``, on the
     device). The caller validates the planes (``codec.validate_plane``) beforehand.
+
+    ``tuning`` (defaults ``DEFAULT_TUNING``): for "fused", ``rows_per_prog`` (rows of one
+    plane per program, a multiple of 16), ``chunk`` (units per chunk, at most),
+    ``block_ch`` (chunks per step), ``num_warps``, ``streaming`` (1: streaming stores), ``prefetch`` (1: look up the
+    exception words before the expansion, 0: after it); for the fallbacks ``block_r``,
+    ``block_c``, ``num_warps``. ``max_count`` (the largest per-plane exception count)
+    saves the fallback a device-to-host read.
     """
     if not HAVE_TRITON:
         raise RuntimeError("csf_loader.triton_decode needs triton; use csf_loader.codec.decode")
+    unknown = set(tuning) - set(DEFAULT_TUNING)
+    if unknown:
+        raise TypeError(f"unknown decode tuning parameter(s) {sorted(unknown)}")
+    t = {**DEFAULT_TUNING, **tuning}
     if out.numel() != planes * rows * cols or out.element_size() != 1 or not out.is_contiguous():
         raise ValueError(f"output must be a contiguous 1-byte tensor of {planes}x{rows}x{cols}")
     if fixed.numel() != planes * codec.fixed_numel(rows, cols):
         raise ValueError(
             f"stacked fixed stream has {fixed.numel()} bytes, expected {planes}x{codec.fixed_numel(rows, cols)}"
         )
-    out_bytes = out.view(torch.uint8)
-    total_rows = planes * rows
-    _launch_fixed(fixed.reshape(-1), out_bytes, codec, total_rows, cols, block_r, block_c, num_warps, variant)
+    out_bytes = out.view(torch.uint8).reshape(-1)
+    fixed = fixed.reshape(-1)
+    if variant == "auto":
+        variant = "fused" if fused_applies(codec, cols, fixed, out_bytes) else "bytes"
+    if variant in ("fused", "fused-noexc"):
+        if not fused_applies(codec, cols, fixed, out_bytes):
+            raise ValueError(f"the fused decode needs cols % 8 == 0 and aligned buffers (cols={cols})")
+        _launch_fused(
+            fixed,
+            exceptions,
+            starts,
+            out_bytes,
+            codec,
+            planes,
+            rows,
+            cols,
+            t["rows_per_prog"],
+            t["chunk"],
+            t["block_ch"],
+            t["num_warps"],
+            apply_exceptions=variant == "fused",  # "fused-noexc" only for timing breakdowns
+            streaming=t["streaming"],
+            prefetch=t["prefetch"],
+        )
+        return out
+    _launch_fixed(fixed, out_bytes, codec, planes * rows, cols, t["block_r"], t["block_c"], t["num_warps"], variant)
     if max_count is None:
         max_count = int((starts[1:] - starts[:-1]).max().item()) if planes else 0
     if max_count:
@@ -328,4 +537,4 @@ def decode_triton_stacked(
     return out
 
 
-__all__ = ["HAVE_TRITON", "SLAB_ROWS", "decode_triton", "decode_triton_stacked"]
+__all__ = ["DEFAULT_TUNING", "HAVE_TRITON", "SLAB_ROWS", "decode_triton", "decode_triton_stacked", "fused_applies"]
