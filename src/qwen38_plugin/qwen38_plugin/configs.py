@@ -4,11 +4,19 @@ Renamed Qwen3.8 Flash-Next checkpoints declare `qwen3_8_flash_next` (multimodal)
 or `qwen3_8_flash_next_text` (text only). They carry exactly the fields of
 transformers' `qwen4_exp` / `qwen4_exp_text` configs, so the alias classes only
 change `model_type`; everything else, validation included, is inherited.
+
+The alias spelling lives on the *class*: AutoConfig finds the class by it and
+``config.json`` is written with it (transformers serialises ``type(config).model_type``).
+A loaded config *instance* reports the official spelling as its ``model_type``, so that
+every consumer that branches on ``config.model_type`` treats an alias checkpoint as the
+Qwen4Exp checkpoint it is: vLLM's speculative config maps ``qwen4_exp`` /
+``qwen4_exp_text`` to the ``Qwen4ExpMTP`` draft, its Qwen Triton warm-up and
+transformers' checkpoint conversion mappings are keyed the same way. No vLLM code is patched.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from transformers import AutoConfig, Qwen4ExpConfig, Qwen4ExpTextConfig
 
@@ -16,10 +24,18 @@ from transformers import AutoConfig, Qwen4ExpConfig, Qwen4ExpTextConfig
 class Qwen3_8FlashNextTextConfig(Qwen4ExpTextConfig):
     model_type = "qwen3_8_flash_next_text"
 
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        self.__dict__["model_type"] = Qwen4ExpTextConfig.model_type  # see the module docstring
+
 
 class Qwen3_8FlashNextConfig(Qwen4ExpConfig):
     model_type = "qwen3_8_flash_next"
     sub_configs: ClassVar[dict[str, type]] = {**Qwen4ExpConfig.sub_configs, "text_config": Qwen3_8FlashNextTextConfig}
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        self.__dict__["model_type"] = Qwen4ExpConfig.model_type  # see the module docstring
 
 
 ALIAS_CONFIGS: dict[str, type] = {
