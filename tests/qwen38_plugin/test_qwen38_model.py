@@ -24,6 +24,13 @@ from tests.qwen38_plugin.qwen38_reference import load_reference, rel_err
 
 EOS = 248046
 
+NO_QSA: dict[str, Any] = {
+    "layer_types": ["linear_attention"] * 4,
+    **dict.fromkeys(
+        ["indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio"]
+    ),
+}
+
 CONFIGS: dict[str, dict[str, Any]] = {
     # every block: GDN, QSA (budget 16, ratio 4), hc_count 4, PLE on layers 1-2
     "default": {},
@@ -31,6 +38,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "hc2-no-ple": {"hc_count": 2, "ple_layer_ids": []},
     # a smaller budget and compress ratio, PLE on a single layer, sigmoid output gate
     "budget8-ratio2": {"indexer_budget": 8, "indexer_compress_ratio": 2, "ple_layer_ids": [3]},
+    # a compress ratio that does not divide the CPU's default block size (the engine test's model)
+    "budget12-ratio3": {"indexer_budget": 12, "indexer_compress_ratio": 3},
+    # without QSA: transformers builds every attention layer with an indexer, so the model
+    # without QSA is the one without attention layers (every layer Gated DeltaNet, no indexer)
+    "no-qsa": NO_QSA,
 }
 
 
@@ -50,8 +62,13 @@ def _load_core(path: Path, dtype: torch.dtype) -> Qwen4ExpCore:
 
 def _reference_greedy(hf: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     ids = torch.tensor([prompt])
-    logits = hf(ids).logits[0, -1]
-    out = hf.generate(ids, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # transformers' cache needs an attention layer (it counts the sequence length on one): a model
+    # without any is decoded without a cache, each step a full forward.
+    use_cache = "indexed_attention" in hf.config.layer_types
+    logits = hf(ids, use_cache=use_cache).logits[0, -1]
+    out = hf.generate(
+        ids, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=use_cache
+    )
     return out[0, len(prompt) :].tolist(), logits
 
 

@@ -118,29 +118,34 @@ def _causal_mask(batch: int, length: int) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool).tril().expand(batch, 1, length, length)
 
 
-def _qsa_ours(hf: Any, module: Any, x: torch.Tensor, positions: torch.Tensor, **past: Any) -> tuple[Any, ...]:
+def _qsa_kwargs(hf: Any, module: Any) -> dict[str, Any]:
     cfg = hf.config
-    indexer = module.indexer
+    return {
+        "q_norm_weight": module.q_norm.weight,
+        "k_norm_weight": module.k_norm.weight,
+        "index_q_norm_weight": module.indexer.q_layernorm.weight,
+        "index_k_norm_weight": module.indexer.k_layernorm.weight,
+        "num_heads": cfg.num_attention_heads,
+        "num_kv_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rotary_dim": int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]),
+        "rope_theta": cfg.rope_parameters["rope_theta"],
+        "eps": cfg.rms_norm_eps,
+        "num_index_heads": cfg.indexer_n_heads,
+        "index_head_dim": cfg.indexer_head_dim,
+        "budget": cfg.indexer_budget,
+        "ratio": cfg.indexer_compress_ratio,
+    }
+
+
+def _qsa_ours(hf: Any, module: Any, x: torch.Tensor, positions: torch.Tensor, **past: Any) -> tuple[Any, ...]:
     out, k, v, keys = qsa.qsa_attention(
         F.linear(x, module.q_proj.weight),
         F.linear(x, module.k_proj.weight),
         F.linear(x, module.v_proj.weight),
-        F.linear(x, indexer.index_qk_proj.weight),
+        F.linear(x, module.indexer.index_qk_proj.weight),
         positions,
-        q_norm_weight=module.q_norm.weight,
-        k_norm_weight=module.k_norm.weight,
-        index_q_norm_weight=indexer.q_layernorm.weight,
-        index_k_norm_weight=indexer.k_layernorm.weight,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        rotary_dim=int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]),
-        rope_theta=cfg.rope_parameters["rope_theta"],
-        eps=cfg.rms_norm_eps,
-        num_index_heads=cfg.indexer_n_heads,
-        index_head_dim=cfg.indexer_head_dim,
-        budget=cfg.indexer_budget,
-        ratio=cfg.indexer_compress_ratio,
+        **_qsa_kwargs(hf, module),
         **past,
     )
     return F.linear(out, module.o_proj.weight), k, v, keys
@@ -189,6 +194,48 @@ def test_qsa_streaming_equals_full_sequence(hf32: Any) -> None:
             past = {"past_k": k, "past_v": v, "past_index_keys": keys}
             pieces.append(out)
     assert rel_err(torch.cat(pieces), full) < FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qsa_ring_form_equals_reference_form(hf32: Any, checkpoint: Path, dtype: torch.dtype) -> None:
+    # The serving form keeps one key per complete group (computed once, when the group closes)
+    # and the open group's raw keys; the reference recomputes every block key from every raw key
+    # at each step. Chunks end inside groups and span several groups: the outputs are identical.
+    hf = hf32 if dtype == torch.float32 else load_reference(checkpoint, dtype)
+    module, cfg = hf.model.layers[3].self_attn, hf.config
+    ratio = cfg.indexer_compress_ratio
+    x = torch.randn(61, cfg.hidden_size, generator=torch.Generator().manual_seed(7)).to(dtype)
+    names = ("q_proj", "k_proj", "v_proj")
+    with torch.no_grad():
+        ref_past: dict[str, Any] = {}
+        k_all = v_all = None
+        indexer: qsa.IndexerPast | None = None
+        for start, end in [(0, 9), (9, 10), (10, 13), (13, 47)] + [(t, t + 1) for t in range(47, 61)]:
+            xs, positions = x[start:end], torch.arange(start, end)
+            expected, k, v, keys = _qsa_ours(hf, module, xs, positions, **ref_past)
+            ref_past = {"past_k": k, "past_v": v, "past_index_keys": keys}
+            out, k_new, v_new, step = qsa.qsa_attention_ring(
+                *[F.linear(xs, getattr(module, n).weight) for n in names],
+                F.linear(xs, module.indexer.index_qk_proj.weight),
+                positions,
+                **_qsa_kwargs(hf, module),
+                past_k=k_all,
+                past_v=v_all,
+                past_indexer=indexer,
+            )
+            assert torch.equal(F.linear(out, module.o_proj.weight), expected)
+            assert step is not None and step.block_keys.shape[0] == end // ratio - start // ratio
+            assert step.open_keys.shape[0] == end % ratio
+            k_all = k_new if k_all is None else torch.cat([k_all, k_new])
+            v_all = v_new if v_all is None else torch.cat([v_all, v_new])
+            old_keys = [] if indexer is None else [indexer.block_keys]
+            indexer = qsa.IndexerPast(torch.cat([*old_keys, step.block_keys]), step.open_keys)
+        # a cache whose open group does not match the position is refused, not misread
+        with pytest.raises(ValueError, match="QSA open group: 0 raw keys cached for position 61"):
+            qsa.close_groups(
+                qsa.IndexerPast(indexer.block_keys, indexer.open_keys[:0]), x[:1, :32], 61, ratio,
+                module.indexer.k_layernorm.weight, cfg.rms_norm_eps, 1e4, 16,
+            )  # fmt: skip
 
 
 def _hc_ours(module: Any, streams: torch.Tensor, hc_count: int, eps: float) -> tuple[Any, ...]:

@@ -219,14 +219,17 @@ class QSAAttention(nn.Module):
         self.indexer = Indexer(config) if config.indexer_budget is not None else None
 
     def attend(
-        self, x: torch.Tensor, positions: torch.Tensor, past: tuple[torch.Tensor | None, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One sequence: x ``[T, H]`` -> (out before o_proj, new k, new v, new raw index keys)."""
+        self, x: torch.Tensor, positions: torch.Tensor, past: QSAPast
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, qsa.IndexerStep | None]:
+        """One sequence: x ``[T, H]`` -> (out before o_proj, new k, new v, the indexer keys it adds).
+
+        past: what the cache holds of the sequence (`StateStore.kv`): k, v and the indexer's
+        block keys plus open group; the complete groups' keys are never recomputed.
+        """
         c = self.config
         index_qk = self.indexer.index_qk_proj(x) if self.indexer is not None else x
-        past_k, past_v, past_keys = past
-        num_past = 0 if past_k is None else past_k.shape[0]
-        out, k, v, keys = qsa.qsa_attention(
+        past_k, past_v, past_indexer = past
+        return qsa.qsa_attention_ring(
             self.q_proj(x), self.k_proj(x), self.v_proj(x), index_qk, positions,
             q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
             index_q_norm_weight=self.indexer.q_layernorm.weight if self.indexer is not None else None,
@@ -234,10 +237,8 @@ class QSAAttention(nn.Module):
             num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
             rotary_dim=rotary_dim(c), rope_theta=c.rope_parameters["rope_theta"], eps=c.rms_norm_eps,
             num_index_heads=c.indexer_n_heads, index_head_dim=c.indexer_head_dim, budget=c.indexer_budget,
-            ratio=c.indexer_compress_ratio, past_k=past_k, past_v=past_v, past_index_keys=past_keys,
+            ratio=c.indexer_compress_ratio, past_k=past_k, past_v=past_v, past_indexer=past_indexer,
         )  # fmt: skip
-        new_keys = None if keys is None else keys[num_past:]
-        return out, k[num_past:], v[num_past:], new_keys
 
 
 class NGramEmbedding(nn.Module):
@@ -351,6 +352,10 @@ class TextModel(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
+QSAPast = tuple[torch.Tensor | None, torch.Tensor | None, "qsa.IndexerPast | None"]
+"""(k, v, indexer keys) a cache holds of one QSA layer of one sequence (`StateStore.kv`)."""
+
+
 class StateStore(Protocol):
     """Per-sequence states of one step; ``seqs`` are indices into the step's sequences."""
 
@@ -360,11 +365,17 @@ class StateStore(Protocol):
 
     def set_recurrent(self, layer: int, kind: str, seqs: Sequence[int], a: torch.Tensor, b: torch.Tensor) -> None: ...
 
-    def kv(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Past (k ``[P, Hkv, D]``, v, raw index keys ``[P, Di]``) of one sequence; Nones when P = 0."""
+    def kv(self, layer: int, seq: int) -> QSAPast:
+        """Past of one QSA layer of one sequence: k ``[P, Hkv, D]`` (normed, rotated), v and the
+        indexer's `qsa.IndexerPast` (one key per complete group, raw keys of the open group);
+        Nones when P = 0 (the indexer part is also None without an indexer)."""
         ...
 
-    def append_kv(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor | None) -> None: ...
+    def append_kv(
+        self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, indexer: qsa.IndexerStep | None
+    ) -> None:
+        """Store the step's k, v ``[T, Hkv, D]`` and the indexer keys it adds."""
+        ...
 
 
 @dataclass
@@ -372,7 +383,7 @@ class SequenceCache:
     """Everything one sequence carries between steps (the reference `StateStore`'s unit)."""
 
     recurrent: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    kv: dict[int, QSAPast] = field(default_factory=dict)
 
 
 class DictStateStore:
@@ -389,17 +400,22 @@ class DictStateStore:
         for i, s in enumerate(seqs):
             self.caches[s].recurrent[(layer, kind)] = (a[i], b[i])
 
-    def kv(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    def kv(self, layer: int, seq: int) -> QSAPast:
         return self.caches[seq].kv.get(layer, (None, None, None))
 
-    def append_kv(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor | None) -> None:
-        old = self.caches[seq].kv.get(layer)
-        if old is None:
-            self.caches[seq].kv[layer] = (k, v, keys)
-        else:
-            old_keys = old[2]
-            cat_keys = None if keys is None or old_keys is None else torch.cat([old_keys, keys])
-            self.caches[seq].kv[layer] = (torch.cat([old[0], k]), torch.cat([old[1], v]), cat_keys)
+    def append_kv(
+        self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, indexer: qsa.IndexerStep | None
+    ) -> None:
+        old_k, old_v, old_indexer = self.caches[seq].kv.get(layer, (None, None, None))
+        past_indexer = None
+        if indexer is not None:
+            # Like the serving cache: a key per complete group, the raw keys of the open group only.
+            old_keys = [] if old_indexer is None else [old_indexer.block_keys]
+            keys = torch.cat([*old_keys, indexer.block_keys])
+            past_indexer = qsa.IndexerPast(keys, indexer.open_keys)
+        k_all = k if old_k is None else torch.cat([old_k, k])
+        v_all = v if old_v is None else torch.cat([old_v, v])
+        self.caches[seq].kv[layer] = (k_all, v_all, past_indexer)
 
 
 # ---------------------------------------------------------------------------------------------

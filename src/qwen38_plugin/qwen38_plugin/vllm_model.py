@@ -28,8 +28,9 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMambaPrefixCaching
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from qwen38_plugin.model import ConfigError, Qwen4ExpCore, check_config, check_tensor_parallel, eos_id
-from qwen38_plugin.vllm_qsa_cache import QSAKVCache, QSAMetadata
+from qwen38_plugin.model import ConfigError, QSAPast, Qwen4ExpCore, check_config, check_tensor_parallel, eos_id
+from qwen38_plugin.ops.qsa import IndexerStep
+from qwen38_plugin.vllm_qsa_cache import QSAKVCache
 
 # ---------------------------------------------------------------------------------------------
 # State shapes (per request slot)
@@ -129,11 +130,6 @@ class VllmStateStore:
         meta = self.metadata[self.slots[layer].prefix]
         return meta.non_spec_state_indices_tensor[list(seqs)].long()
 
-    def _qsa_meta(self, layer: int) -> QSAMetadata:
-        meta = self.metadata[self.kv_layers[layer].prefix]
-        assert isinstance(meta, QSAMetadata)
-        return meta
-
     def _is_fresh(self, seq: int) -> bool:
         return bool(seq < self.fresh.shape[0] and self.fresh[seq])
 
@@ -156,35 +152,11 @@ class VllmStateStore:
         else:
             states[3][idx], states[2][idx] = a.to(states[3].dtype), b.to(states[2].dtype)
 
-    def _slots(self, meta: QSAMetadata, seq: int, start: int, end: int, cache: QSAKVCache) -> torch.Tensor:
-        positions = torch.arange(start, end)
-        size = cache.block_size()
-        blocks = meta.block_table[seq, positions // size].long()
-        return blocks * size + positions % size
+    def kv(self, layer: int, seq: int) -> QSAPast:
+        return self.kv_layers[layer].past(self.metadata, seq)
 
-    def kv(self, layer: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        m = self._qsa_meta(layer)
-        past = m.seq_lens[seq] - (m.query_start_loc[seq + 1] - m.query_start_loc[seq])
-        if past == 0:
-            return None, None, None
-        cache = self.kv_layers[layer]
-        rows = cache.read(self._slots(m, seq, 0, past, cache))  # [P, heads, 2D]
-        d, h = cache.head_dim, cache.num_kv_heads
-        keys = rows[:, h:, :d].flatten(1)[:, : cache.index_dim] if cache.index_dim else None
-        return rows[:, :h, :d], rows[:, :h, d:], keys
-
-    def append_kv(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor | None) -> None:
-        m = self._qsa_meta(layer)
-        cache = self.kv_layers[layer]
-        slots = m.slot_mapping[m.query_start_loc[seq] : m.query_start_loc[seq + 1]].long()
-        d, h = cache.head_dim, cache.num_kv_heads
-        rows = cache.read(slots)
-        rows[:, :h, :d], rows[:, :h, d:] = k, v
-        if keys is not None:
-            padded = keys.new_zeros(keys.shape[0], cache.index_heads * d)
-            padded[:, : keys.shape[1]] = keys
-            rows[:, h:, :d] = padded.unflatten(1, (cache.index_heads, d))
-        cache.write(slots, rows)
+    def append_kv(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, indexer: IndexerStep | None) -> None:
+        self.kv_layers[layer].append(self.metadata, seq, k, v, indexer)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,11 +15,20 @@ query is ``sum_h relu(q_h . key_block) / sqrt(Di)`` in fp32.
 The attention itself is Qwen's gated attention: per-head RMSNorm on q and k, partial RoPE,
 softmax attention restricted to the selected tokens, then ``* sigmoid(gate)`` per feature.
 Positions are absolute token positions within the sequence (text-only: 0, 1, 2, ...).
+
+Two forms of the same layer:
+- `qsa_attention` (the reference, tested against transformers) takes every past raw key and
+  recomputes every complete block's key at each step;
+- `qsa_attention_ring` takes what a serving cache keeps (`IndexerPast`): one key per complete
+  group, computed once when the group closes, and the raw keys of the open group only. It
+  returns the keys of the groups the step closed and the step's raw keys (`IndexerStep`).
+Both give the same selection: a block key depends only on its own group's raw keys.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -42,12 +51,17 @@ def block_keys(
     eps: float,
     rope_theta: float,
     rotary_dim: int,
+    first_block: int = 0,
 ) -> torch.Tensor:
-    """Keys ``[num_blocks, Di]`` of the first ``num_blocks`` blocks of raw_keys ``[N, Di]``."""
+    """Keys ``[num_blocks, Di]`` of the first ``num_blocks`` blocks of raw_keys ``[N, Di]``.
+
+    raw_keys[0] is the first position of block ``first_block`` (its RoPE position is
+    ``first_block * ratio``).
+    """
     groups = raw_keys[: num_blocks * ratio].unflatten(0, (num_blocks, ratio))
     pooled = groups.float().mean(dim=1).to(raw_keys.dtype)
     pooled = rms_norm(pooled, k_norm_weight, eps)
-    starts = torch.arange(num_blocks, device=raw_keys.device) * ratio
+    starts = (first_block + torch.arange(num_blocks, device=raw_keys.device)) * ratio
     cos, sin = rotary_cos_sin(starts, rotary_dim, rope_theta, raw_keys.dtype)
     return apply_partial_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
 
@@ -65,20 +79,45 @@ def select_tokens(
     budget: int,
     ratio: int,
 ) -> torch.Tensor:
-    """The QSA token mask of one sequence.
+    """The QSA token mask of one sequence, from every raw key (the reference form).
 
     index_q: ``[T, Hi, Di]`` raw index queries of the new tokens; raw_keys: ``[N, Di]`` raw
     index keys of positions 0..N-1 (the new tokens included); query_positions: ``[T]``.
     Returns a bool mask ``[T, N]``: True where the query attends to the key position.
     """
+    max_blocks = (int(query_positions.max()) + 1) // ratio if index_q.shape[0] else 0
+    keys = block_keys(raw_keys, max_blocks, ratio, k_norm_weight, eps, rope_theta, rotary_dim)
+    return select_from_block_keys(
+        index_q, keys, raw_keys.shape[0], query_positions, q_norm_weight=q_norm_weight, eps=eps,
+        rope_theta=rope_theta, rotary_dim=rotary_dim, budget=budget, ratio=ratio,
+    )  # fmt: skip
+
+
+def select_from_block_keys(
+    index_q: torch.Tensor,
+    keys: torch.Tensor,
+    num_keys: int,
+    query_positions: torch.Tensor,
+    *,
+    q_norm_weight: torch.Tensor,
+    eps: float,
+    rope_theta: float,
+    rotary_dim: int,
+    budget: int,
+    ratio: int,
+) -> torch.Tensor:
+    """The QSA token mask ``[T, num_keys]`` of one sequence, from its block keys.
+
+    keys: ``[C, Di]`` keys of blocks 0..C-1 (`block_keys`), C at least the number of blocks
+    complete at the last query; num_keys: positions 0..num_keys-1 the queries may see.
+    """
     num_queries, _, head_dim = index_q.shape
-    num_keys = raw_keys.shape[0]
+    device = index_q.device
     cos, sin = rotary_cos_sin(query_positions, rotary_dim, rope_theta, index_q.dtype)
     q = apply_partial_rope(rms_norm(index_q, q_norm_weight, eps), cos, sin).float()
-    max_blocks = (int(query_positions.max()) + 1) // ratio if num_queries else 0
-    keys = block_keys(raw_keys, max_blocks, ratio, k_norm_weight, eps, rope_theta, rotary_dim).float()
+    keys = keys.float()
     block_topk = budget // ratio
-    key_positions = torch.arange(num_keys, device=raw_keys.device)
+    key_positions = torch.arange(num_keys, device=device)
     mask = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)  # causal
     for i in range(num_queries):
         position = int(query_positions[i])
@@ -89,11 +128,88 @@ def select_tokens(
         # topk over exactly the complete blocks, in block order: equal scores (relu zeros) then
         # resolve the way the reference resolves them.
         chosen = scores.topk(block_topk, dim=0).indices
-        allowed = torch.zeros(num_keys, dtype=torch.bool, device=raw_keys.device)
+        allowed = torch.zeros(num_keys, dtype=torch.bool, device=device)
         allowed[complete * ratio : position + 1] = True  # the open group
         allowed[(chosen.unsqueeze(1) * ratio + torch.arange(ratio, device=chosen.device)).flatten()] = True
         mask[i] &= allowed
     return mask
+
+
+class IndexerPast(NamedTuple):
+    """What a cache keeps of one sequence's indexer keys after P positions (C = P // ratio)."""
+
+    block_keys: torch.Tensor  # [C, Di]: keys of the complete groups 0..C-1 (`block_keys`)
+    open_keys: torch.Tensor  # [P - C * ratio, Di]: raw keys of the open group
+
+
+class IndexerStep(NamedTuple):
+    """The indexer keys one step of T new tokens (positions P..P+T-1) adds."""
+
+    block_keys: torch.Tensor  # [G, Di]: keys of the groups C..C+G-1 this step completed
+    raw_keys: torch.Tensor  # [T, Di]: raw keys of the new tokens (what the ring stores)
+    open_keys: torch.Tensor  # [(P + T) % ratio, Di]: raw keys of the open group after the step
+
+
+def close_groups(
+    past: IndexerPast | None,
+    new_raw_keys: torch.Tensor,
+    start: int,
+    ratio: int,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    rope_theta: float,
+    rotary_dim: int,
+) -> IndexerStep:
+    """Add the raw keys ``[T, Di]`` of positions start..start+T-1 to `past`: the keys of the
+    groups they complete (each computed once, from its own raw keys) and the new open group."""
+    first_group = start // ratio
+    open_keys = past.open_keys if past is not None else new_raw_keys[:0]
+    if open_keys.shape[0] != start - first_group * ratio:
+        raise ValueError(
+            f"QSA open group: {open_keys.shape[0]} raw keys cached for position {start} with ratio {ratio}; "
+            f"expected {start - first_group * ratio}"
+        )
+    pending = torch.cat([open_keys, new_raw_keys])  # positions first_group * ratio ..
+    closed = (start + new_raw_keys.shape[0]) // ratio - first_group
+    keys = block_keys(pending, closed, ratio, k_norm_weight, eps, rope_theta, rotary_dim, first_block=first_group)
+    return IndexerStep(keys, new_raw_keys, pending[closed * ratio :])
+
+
+class RingCapacityError(ValueError):
+    """A block size no QSA key ring of whole groups divides; the message names the fix."""
+
+
+RING_MAX_WIDENING = 4
+
+
+def ring_base_capacity(ratio: int, num_speculative_tokens: int = 0) -> int:
+    """The smallest QSA key ring, in whole groups: the open group plus every draft row a
+    speculative step stores before acceptance is known."""
+    return ratio * math.ceil((ratio + num_speculative_tokens) / ratio)
+
+
+def ring_capacity(ratio: int, num_speculative_tokens: int, block_size: int) -> int:
+    """The QSA key ring capacity for an attention block size (rule R38, ReVolta 0.1.2).
+
+    The ring must divide the block size. Starting from `ring_base_capacity`, it widens by whole
+    groups (``ratio`` at a time) up to ``RING_MAX_WIDENING`` times the base until it does;
+    beyond that `RingCapacityError` names the block-size multiple to use.
+    """
+    if ratio <= 0 or num_speculative_tokens < 0 or block_size <= 0:
+        raise ValueError(
+            f"QSA key ring: ratio {ratio}, speculative tokens {num_speculative_tokens} and block size "
+            f"{block_size} must be positive (speculative tokens may be 0)"
+        )
+    base = ring_base_capacity(ratio, num_speculative_tokens)
+    for capacity in range(base, RING_MAX_WIDENING * base + 1, ratio):
+        if block_size % capacity == 0:
+            return capacity
+    raise RingCapacityError(
+        f"QSA key ring: no ring of whole {ratio}-token groups from {base} tokens (indexer_compress_ratio {ratio} "
+        f"+ {num_speculative_tokens} speculative tokens) up to {RING_MAX_WIDENING * base} tokens "
+        f"({RING_MAX_WIDENING}x) divides the attention block size {block_size}; use a --block-size that is a "
+        f"multiple of {base}"
+    )
 
 
 def gated_attention(
@@ -192,3 +308,62 @@ def qsa_attention(
         )
     out = gated_attention(q, k, v, gate, mask, head_dim**-0.5)
     return out, k, v, index_keys
+
+
+def qsa_attention_ring(
+    q_proj: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    index_qk: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    index_q_norm_weight: torch.Tensor | None,
+    index_k_norm_weight: torch.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_theta: float,
+    eps: float,
+    num_index_heads: int | None,
+    index_head_dim: int | None,
+    budget: int | None,
+    ratio: int | None,
+    past_k: torch.Tensor | None = None,
+    past_v: torch.Tensor | None = None,
+    past_indexer: IndexerPast | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, IndexerStep | None]:
+    """`qsa_attention` over a serving cache: block keys of complete groups plus the open group.
+
+    Arguments as `qsa_attention`, except past_indexer (None: P = 0) in place of every past raw
+    key. Returns (out ``[T, Hq * D]``, new k ``[T, Hkv, D]``, new v, `IndexerStep` or None
+    without an indexer).
+    """
+    q, gate = split_gated_query(q_proj, num_heads, head_dim)
+    q = rms_norm(q, q_norm_weight, eps)
+    k = rms_norm(k_new.unflatten(-1, (num_kv_heads, head_dim)), k_norm_weight, eps)
+    v = v_new.unflatten(-1, (num_kv_heads, head_dim))
+    cos, sin = rotary_cos_sin(positions, rotary_dim, rope_theta, q.dtype)
+    q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+    k_all, v_all = (k, v) if past_k is None or past_v is None else (torch.cat([past_k, k]), torch.cat([past_v, v]))
+    num_keys = k_all.shape[0]
+    step = None
+    if budget is None:
+        mask = torch.arange(num_keys, device=q.device).unsqueeze(0) <= positions.unsqueeze(1)
+    else:
+        assert num_index_heads and index_head_dim and ratio and index_q_norm_weight is not None
+        assert index_k_norm_weight is not None
+        index_q, new_raw_keys = split_index_projection(index_qk, num_index_heads, index_head_dim)
+        step = close_groups(
+            past_indexer, new_raw_keys, num_keys - positions.shape[0], ratio, index_k_norm_weight, eps, rope_theta,
+            rotary_dim,
+        )  # fmt: skip
+        keys = step.block_keys if past_indexer is None else torch.cat([past_indexer.block_keys, step.block_keys])
+        mask = select_from_block_keys(
+            index_q, keys, num_keys, positions, q_norm_weight=index_q_norm_weight, eps=eps, rope_theta=rope_theta,
+            rotary_dim=rotary_dim, budget=budget, ratio=ratio,
+        )  # fmt: skip
+    out = gated_attention(q, k_all, v_all, gate, mask, head_dim**-0.5)
+    return out, k, v, step
