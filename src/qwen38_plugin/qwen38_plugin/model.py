@@ -15,7 +15,7 @@ longer (prefill) sequence by itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -67,32 +67,81 @@ def check_config(config: Any) -> None:
 
 
 def check_tensor_parallel(config: Any, tp_size: int) -> None:
-    """Refuse a tensor-parallel size the head geometry cannot be split over, naming the head count.
+    """Refuse a tensor-parallel size the geometry cannot be split over, naming the count.
 
-    Query heads, GDN key and value heads and experts are split evenly; KV heads are split when
-    there are at least as many as ranks and otherwise replicated, which needs the rank count to
-    be a multiple of them (Flash-Next: 24 Q / 2 KV / 16 linear-K / 48 linear-V heads).
+    The split mirrors stock vLLM's Qwen4Exp: query heads, GDN key and value heads (with their
+    conv channels, gates and decay parameters) and every expert's intermediate dimension (routed
+    and shared) are split evenly; KV heads are split when there are at least as many as ranks
+    and otherwise replicated, which needs the rank count to be a multiple of them; the PLE table
+    is split by rows, so its row padding must divide by the rank count (Flash-Next: 24 Q / 2 KV /
+    16 linear-K / 48 linear-V heads).
     """
     if tp_size <= 1:
         return
     counts = {
-        "num_attention_heads": config.num_attention_heads,
-        "linear_num_key_heads": config.linear_num_key_heads,
-        "linear_num_value_heads": config.linear_num_value_heads,
-        "num_experts": config.num_experts,
+        "num_attention_heads": (config.num_attention_heads, "heads"),
+        "linear_num_key_heads": (config.linear_num_key_heads, "heads"),
+        "linear_num_value_heads": (config.linear_num_value_heads, "heads"),
+        "moe_intermediate_size": (config.moe_intermediate_size, "expert intermediate features"),
+        "shared_expert_intermediate_size": (config.shared_expert_intermediate_size, "shared-expert features"),
     }
-    for name, count in counts.items():
+    if config.ple_layer_ids:
+        counts["make_ngram_vocab_size_divisible_by"] = (config.make_ngram_vocab_size_divisible_by, "PLE table rows")
+    for name, (count, what) in counts.items():
         if count % tp_size:
             raise ConfigError(
-                f"{name}: {count} heads cannot be split over tensor_parallel_size={tp_size}; "
+                f"{name}: {count} {what} cannot be split over tensor_parallel_size={tp_size}; "
                 f"use a tensor-parallel size that divides {count}"
             )
     kv = config.num_key_value_heads
     if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
         raise ConfigError(
             f"num_key_value_heads: {kv} KV heads can be neither split nor evenly replicated over "
-            f"tensor_parallel_size={tp_size}"
+            f"tensor_parallel_size={tp_size}; use a tensor-parallel size that divides {kv} or a multiple of it"
         )
+
+
+def _no_reduce(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group and the group's sum over ranks.
+
+    ``all_reduce`` sums a tensor over the ranks (in place or not) and returns the sum; vLLM
+    passes its tensor-parallel all-reduce, the default (one rank) returns its input.
+    """
+
+    rank: int = 0
+    size: int = 1
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is outside [0, {self.size})")
+
+    def local(self, total: int) -> int:
+        """This rank's share of ``total`` evenly split items (`check_tensor_parallel` ran first)."""
+        return total // self.size
+
+    def slice(self, dim: int, total: int, offset: int = 0) -> Shard:
+        """This rank's contiguous share of a dimension of ``total`` evenly split items."""
+        n = self.local(total)
+        return Shard(dim, total, ((offset + self.rank * n, n),))
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which part of a checkpoint tensor a rank holds: ``pieces`` (start, length) of dimension
+    ``dim`` (``full`` long in the checkpoint), concatenated in order."""
+
+    dim: int
+    full: int
+    pieces: tuple[tuple[int, int], ...]
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tensor.narrow(self.dim, start, length) for start, length in self.pieces], self.dim)
 
 
 def rotary_dim(config: Any) -> int:
@@ -160,9 +209,13 @@ class GatedResidual(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """One rank's GDN heads: its key heads, their value heads and everything per channel or per
+    value head that belongs to them; out_proj yields a partial sum over ranks."""
+
+    def __init__(self, config: Any, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        total_k, total_v = config.linear_num_key_heads, config.linear_num_value_heads
+        self.num_k_heads, self.num_v_heads = tp.local(total_k), tp.local(total_v)
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.conv_dim = 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
         self.kernel = config.linear_conv_kernel_dim
@@ -178,6 +231,20 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = _vector(self.num_v_heads)
         self.norm = _Norm(self.head_v_dim)
         self.out_proj = _linear(hidden, value_dim)
+        # Checkpoint layout of the conv channels: all q heads, all k heads, all v heads.
+        key_dim, total_value_dim = total_k * self.head_k_dim, total_v * self.head_v_dim
+        channels = tuple(
+            piece
+            for offset, total in ((0, key_dim), (key_dim, key_dim), (2 * key_dim, total_value_dim))
+            for piece in tp.slice(0, total, offset).pieces
+        )
+        qkv = Shard(0, 2 * key_dim + total_value_dim, channels)
+        self.tp_shards = {
+            "in_proj_qkv.weight": qkv, "conv1d.weight": qkv, "in_proj_z.weight": tp.slice(0, total_value_dim),
+            "in_proj_b.weight": tp.slice(0, total_v), "in_proj_a.weight": tp.slice(0, total_v),
+            "A_log": tp.slice(0, total_v), "dt_bias": tp.slice(0, total_v),
+            "out_proj.weight": tp.slice(1, total_value_dim),
+        }  # fmt: skip
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
@@ -204,12 +271,20 @@ class Indexer(nn.Module):
 
 
 class QSAAttention(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """One rank's query heads and the KV heads they read (split when there are at least as many
+    KV heads as ranks, else replicated); the indexer is replicated; o_proj yields a partial sum."""
+
+    def __init__(self, config: Any, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.config = config
-        heads, kv_heads, head_dim, hidden = (
+        total_heads, total_kv, head_dim, hidden = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size,
         )  # fmt: skip
+        self.num_heads = heads = tp.local(total_heads)
+        self.num_kv_heads = kv_heads = max(1, total_kv // tp.size)
+        # The KV heads of this rank's query heads: its share, or the one head its rank group shares.
+        kv_index = tp.rank if total_kv >= tp.size else tp.rank // (tp.size // total_kv)
         self.q_proj = _linear(heads * head_dim * 2, hidden)
         self.k_proj = _linear(kv_heads * head_dim, hidden)
         self.v_proj = _linear(kv_heads * head_dim, hidden)
@@ -217,6 +292,12 @@ class QSAAttention(nn.Module):
         self.q_norm = _Norm(head_dim)
         self.k_norm = _Norm(head_dim)
         self.indexer = Indexer(config) if config.indexer_budget is not None else None
+        kv_rows = Shard(0, total_kv * head_dim, ((kv_index * kv_heads * head_dim, kv_heads * head_dim),))
+        self.tp_shards = {
+            # per query head: D query features then D gate features
+            "q_proj.weight": tp.slice(0, total_heads * 2 * head_dim), "k_proj.weight": kv_rows,
+            "v_proj.weight": kv_rows, "o_proj.weight": tp.slice(1, total_heads * head_dim),
+        }  # fmt: skip
 
     def attend(
         self, x: torch.Tensor, positions: torch.Tensor, past: QSAPast
@@ -234,7 +315,7 @@ class QSAAttention(nn.Module):
             q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
             index_q_norm_weight=self.indexer.q_layernorm.weight if self.indexer is not None else None,
             index_k_norm_weight=self.indexer.k_layernorm.weight if self.indexer is not None else None,
-            num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=c.head_dim,
             rotary_dim=rotary_dim(c), rope_theta=c.rope_parameters["rope_theta"], eps=c.rms_norm_eps,
             num_index_heads=c.indexer_n_heads, index_head_dim=c.indexer_head_dim, budget=c.indexer_budget,
             ratio=c.indexer_compress_ratio, past_k=past_k, past_v=past_v, past_indexer=past_indexer,
@@ -246,7 +327,7 @@ class NGramEmbedding(nn.Module):
     ngram_heads_vocab_sizes: torch.Tensor
     ngram_heads_offsets: torch.Tensor
 
-    def __init__(self, config: Any, ple_layer_index: int) -> None:
+    def __init__(self, config: Any, ple_layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         heads = (config.ngram_size - 1) * config.heads_per_ngram
         sizes = [
@@ -257,7 +338,22 @@ class NGramEmbedding(nn.Module):
         self.register_buffer("layer_multipliers", torch.zeros(config.ngram_size, dtype=torch.long))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
         self.register_buffer("ngram_heads_offsets", torch.tensor([0, *sizes[:-1]], dtype=torch.long).cumsum(0))
-        self.ngram_embedding = _Weight(math.ceil(total / divisor) * divisor, config.ple_embed_dim // heads)
+        # Split by rows (vocabulary), as stock vLLM does: each rank looks up the rows it holds, zeros
+        # elsewhere, and the ranks' lookups are summed.
+        rows = math.ceil(total / divisor) * divisor
+        self.ngram_embedding = _Weight(tp.local(rows), config.ple_embed_dim // heads)
+        self.tp, self.row_start = tp, tp.rank * tp.local(rows)
+        self.tp_shards = {"ngram_embedding.weight": tp.slice(0, rows)}
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """Embedding rows ``[..., E / heads]`` of global table rows ``[...]``."""
+        table = self.ngram_embedding.weight
+        if self.tp.size == 1:
+            return nn.functional.embedding(rows.to(table.device), table)
+        local = rows.to(table.device) - self.row_start
+        outside = (local < 0) | (local >= table.shape[0])
+        found = nn.functional.embedding(local.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(found)
 
 
 def _nth_prime_after(start: int, count: int) -> int:
@@ -270,13 +366,13 @@ def _nth_prime_after(start: int, count: int) -> int:
 
 
 class PLELayer(nn.Module):
-    def __init__(self, config: Any, ple_layer_index: int) -> None:
+    def __init__(self, config: Any, ple_layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         width = config.hc_count * config.hidden_size
         self.hc_count, self.eps = config.hc_count, config.rms_norm_eps
         self.heads_per_ngram, self.eos = config.heads_per_ngram, eos_id(config)
         self.ngram_size, self.kernel = config.ngram_size, config.ple_conv_kernel_size
-        self.ple_embedding = NGramEmbedding(config, ple_layer_index)
+        self.ple_embedding = NGramEmbedding(config, ple_layer_index, tp)
         self.key_proj = _linear(width, config.ple_embed_dim)
         self.value_proj = _linear(config.hidden_size, config.ple_embed_dim)
         self.norm_key, self.norm_query, self.norm_conv = _Norm(width), _Norm(width), _Norm(width)
@@ -296,49 +392,63 @@ class PLELayer(nn.Module):
             emb.ngram_heads_offsets, self.key_proj.weight, self.value_proj.weight, self.norm_key.weight,
             self.norm_query.weight, self.norm_conv.weight, self.conv1d.weight.squeeze(1), hc_count=self.hc_count,
             heads_per_ngram=self.heads_per_ngram, eos_token_id=self.eos, eps=self.eps, context=context,
-            conv_state=conv_state,
+            conv_state=conv_state, lookup=emb.lookup,
         )  # fmt: skip
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """Every expert (routed and shared) holds this rank's slice of its intermediate dimension, as
+    stock vLLM's tensor-parallel MoE does; the router and the shared-expert gate are replicated
+    and the block's output is summed over ranks."""
+
+    def __init__(self, config: Any, tp: TensorParallel) -> None:
         super().__init__()
-        self.top_k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.top_k, self.normalize, self.tp = config.num_experts_per_tok, config.norm_topk_prob, tp
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        shared_i = config.shared_expert_intermediate_size
         self.gate = _Weight(e, h)
-        self.experts = _Experts(e, h, i)
-        self.shared_expert = _SwiGLU(h, config.shared_expert_intermediate_size)
+        self.experts = _Experts(e, h, tp.local(i))
+        self.shared_expert = _SwiGLU(h, tp.local(shared_i))
         self.shared_expert_gate = _linear(1, h)
+        self.tp_shards = {
+            # this rank's gate rows, then its up rows
+            "experts.gate_up_proj": Shard(1, 2 * i, tp.slice(1, i).pieces + tp.slice(1, i, offset=i).pieces),
+            "experts.down_proj": tp.slice(2, i),
+            "shared_expert.gate_proj.weight": tp.slice(0, shared_i),
+            "shared_expert.up_proj.weight": tp.slice(0, shared_i),
+            "shared_expert.down_proj.weight": tp.slice(1, shared_i),
+        }  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert
-        return moe.moe(
+        return self.tp.all_reduce(moe.moe(
             x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
             torch.cat([shared.gate_proj.weight, shared.up_proj.weight]), shared.down_proj.weight,
             self.shared_expert_gate.weight, top_k=self.top_k, normalize=self.normalize,
-        )  # fmt: skip
+        ))  # fmt: skip
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, index: int) -> None:
+    def __init__(self, config: Any, index: int, tp: TensorParallel) -> None:
         super().__init__()
         self.layer_type = config.layer_types[index]
         if self.layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNet(config)
+            self.linear_attn = GatedDeltaNet(config, tp)
         else:
-            self.self_attn = QSAAttention(config)
-        self.mlp = SparseMoe(config)
+            self.self_attn = QSAAttention(config, tp)
+        self.mlp = SparseMoe(config, tp)
         ple_ids = list(config.ple_layer_ids or [])
-        self.ple = PLELayer(config, ple_ids.index(index + 1)) if index + 1 in ple_ids else None
+        self.ple = PLELayer(config, ple_ids.index(index + 1), tp) if index + 1 in ple_ids else None
         self.attn_hyper_connection = GatedResidual(config)
         self.mlp_hyper_connection = GatedResidual(config)
 
 
 class TextModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TensorParallel) -> None:
         super().__init__()
+        # The token embedding, lm_head and hyper-connections are replicated on every rank.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.hyper_connection_mixer = GatedResidual(config, inject=False)
 
     def layer(self, index: int) -> DecoderLayer:
@@ -424,14 +534,26 @@ class DictStateStore:
 
 
 class Qwen4ExpCore(nn.Module):
-    """Qwen4ExpForCausalLM's text model and lm_head (parameter names = checkpoint names)."""
+    """Qwen4ExpForCausalLM's text model and lm_head (parameter names = checkpoint names).
 
-    def __init__(self, config: Any) -> None:
+    With ``tp`` (tensor parallelism) this is one rank's part: it holds its slices of the split
+    tensors (`check_tensor_parallel` says which) and sums block outputs over ranks through
+    ``tp.all_reduce``; `load_checkpoint_tensors` takes the rank's slice of every full tensor.
+    """
+
+    def __init__(self, config: Any, tp: TensorParallel | None = None) -> None:
         super().__init__()
         check_config(config)
+        self.tp = tp = tp or TensorParallel()
+        check_tensor_parallel(config, tp.size)
         self.config = config
-        self.model = TextModel(config)
+        self.model = TextModel(config, tp)
         self.lm_head = _linear(config.vocab_size, config.hidden_size)
+        self._tp_shards: dict[str, Shard] = {
+            f"{module_name}.{name}": shard
+            for module_name, module in self.named_modules()
+            for name, shard in getattr(module, "tp_shards", {}).items()
+        }
 
     # -- states ---------------------------------------------------------------------------------
     def fresh_state(self, layer: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,16 +608,16 @@ class Qwen4ExpCore(nn.Module):
                     out, conv, rec = attn.core(_as_batch(x, rows, len(seqs)), conv, rec, decode)
                     store.set_recurrent(index, "gdn", seqs, conv, rec)
                     y[rows] = out.flatten(0, 1)
-                block_out = attn.out_proj(y)
+                block_out = self.tp.all_reduce(attn.out_proj(y))
             else:
                 sa = layer.self_attn
-                y = x.new_empty(x.shape[0], cfg.num_attention_heads * cfg.head_dim)
+                y = x.new_empty(x.shape[0], sa.num_heads * cfg.head_dim)
                 for s, n in enumerate(query_lens):
                     rows_s = slice(starts[s], starts[s] + n)
                     out, k, v, keys = sa.attend(x[rows_s], positions[rows_s], store.kv(index, s))
                     store.append_kv(index, s, k, v, keys)
                     y[rows_s] = out
-                block_out = sa.o_proj(y)
+                block_out = self.tp.all_reduce(sa.o_proj(y))
             streams = hyper_connection.hc_inject(streams, block_out, inject)
             x, inject = layer.mlp_hyper_connection.mix(streams)
             assert inject is not None
@@ -564,7 +686,8 @@ class Qwen4ExpCore(nn.Module):
                 unexpected.append(target)
                 continue
             table = torch.cat([pieces[i] for i in sorted(pieces)])
-            rows = params[target].shape[0]
+            shard = self._tp_shards.get(target)
+            rows = shard.full if shard is not None else params[target].shape[0]
             self._copy(params[target], table[:rows], target)
             loaded.add(target)
         missing = sorted(set(params) - loaded - self._derived_names())
@@ -580,10 +703,16 @@ class Qwen4ExpCore(nn.Module):
         # Buffers the checkpoint may omit because they follow from the config.
         return {n for n, _ in self.named_buffers() if n.endswith(("ngram_heads_vocab_sizes", "ngram_heads_offsets"))}
 
-    @staticmethod
-    def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-        if tuple(param.shape) != tuple(value.shape):
-            raise CheckpointError([], [], {name: (tuple(value.shape), tuple(param.shape))})
+    def _copy(self, param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        """Copy a full checkpoint tensor in, or this rank's slice of it when the tensor is split."""
+        shard = self._tp_shards.get(name)
+        want = list(param.shape)
+        if shard is not None:
+            want[shard.dim] = shard.full
+        if list(value.shape) != want:
+            raise CheckpointError([], [], {name: (tuple(value.shape), tuple(want))})
+        if shard is not None:
+            value = shard.take(value)
         with torch.no_grad():
             param.copy_(value.to(param.dtype))
 

@@ -22,13 +22,21 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_rank, tensor_model_parallel_all_reduce
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMambaPrefixCaching
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from qwen38_plugin.model import ConfigError, QSAPast, Qwen4ExpCore, check_config, check_tensor_parallel, eos_id
+from qwen38_plugin.model import (
+    QSAPast,
+    Qwen4ExpCore,
+    TensorParallel,
+    check_config,
+    check_tensor_parallel,
+    eos_id,
+)
 from qwen38_plugin.ops.qsa import IndexerStep
 from qwen38_plugin.vllm_qsa_cache import QSAKVCache
 
@@ -38,11 +46,11 @@ from qwen38_plugin.vllm_qsa_cache import QSAKVCache
 
 
 def state_shapes(config: Any, tp_size: int = 1) -> tuple[tuple[int, ...], ...]:
-    """Shapes of a `linear_attention` layer's state slot: GDN conv, GDN recurrent[, PLE conv, context]."""
-    for name, count in (("linear_num_key_heads", config.linear_num_key_heads),
-                        ("linear_num_value_heads", config.linear_num_value_heads)):  # fmt: skip
-        if count % tp_size:
-            raise ConfigError(f"{name}: {count} heads cannot be split over tensor_parallel_size={tp_size}")
+    """Shapes of one rank's `linear_attention` state slot: GDN conv, GDN recurrent[, PLE conv, context].
+
+    The GDN states hold the rank's heads; the PLE states (hyper-connection width) are replicated.
+    """
+    check_tensor_parallel(config, tp_size)
     k_heads, v_heads = config.linear_num_key_heads // tp_size, config.linear_num_value_heads // tp_size
     conv_dim = 2 * k_heads * config.linear_key_head_dim + v_heads * config.linear_value_head_dim
     shapes: tuple[tuple[int, ...], ...] = (
@@ -174,12 +182,13 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
         tp = vllm_config.parallel_config.tensor_parallel_size
         check_config(config)
         check_tensor_parallel(config, tp)
-        if tp != 1:
-            raise NotImplementedError(
-                f"tensor_parallel_size={tp}: the portable Qwen4Exp model runs unsharded for now; use "
-                "--tensor-parallel-size 1"
+        if tp > 1:
+            # Each rank holds its slices; block outputs are summed with vLLM's tensor-parallel all-reduce.
+            super().__init__(
+                config, TensorParallel(get_tensor_model_parallel_rank(), tp, tensor_model_parallel_all_reduce)
             )
-        super().__init__(config)
+        else:
+            super().__init__(config)
         self.eos = eos_id(config)
         self._slots: dict[int, LinearStateSlot] = {}
         self._kv: dict[int, QSAKVCache] = {}
@@ -188,8 +197,9 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
             if kind == "linear_attention":
                 self._slots[i] = LinearStateSlot(vllm_config, f"{prefix}model.layers.{i}.linear_attn.state")
             else:
+                # this rank's KV heads
                 self._kv[i] = QSAKVCache(vllm_config, f"{prefix}model.layers.{i}.self_attn.kv",
-                                         config.num_key_value_heads)  # fmt: skip
+                                         self.model.layer(i).self_attn.num_kv_heads)  # fmt: skip
 
     # -- vLLM's hybrid-model interface ----------------------------------------------------------
     @classmethod

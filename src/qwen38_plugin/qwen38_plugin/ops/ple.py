@@ -16,6 +16,7 @@ State per sequence:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -85,12 +86,15 @@ def ple(
     eps: float,
     context: torch.Tensor | None = None,
     conv_state: torch.Tensor | None = None,
+    lookup: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The PLE term to add to the streams.
 
     streams: ``[B, T, hc * H]``; token_ids: ``[B, T]``; embedding: ``[V, E / heads]`` (the table);
     key_proj: ``[hc * H, E]``; value_proj: ``[H, E]``; norm_*: ``[hc * H]``; conv_weight: ``[hc * H, K]``.
-    States as in the module docstring (None: fresh). Returns (term ``[B, T, hc * H]``, context, conv state).
+    States as in the module docstring (None: fresh). ``lookup`` maps table rows to embeddings in
+    place of indexing ``embedding`` (a tensor-parallel table split over ranks).
+    Returns (term ``[B, T, hc * H]``, context, conv state).
     """
     ngram_size = multipliers.shape[0]
     hidden = streams.shape[-1] // hc_count
@@ -105,7 +109,8 @@ def ple(
         heads_per_ngram=heads_per_ngram,
         eos_token_id=eos_token_id,
     )
-    embedded = F.embedding(rows.to(embedding.device), embedding).to(streams.device).flatten(-2)  # [B, T, E]
+    found = lookup(rows) if lookup is not None else F.embedding(rows.to(embedding.device), embedding)
+    embedded = found.to(streams.device).flatten(-2)  # [B, T, E]
     key = rms_norm(F.linear(embedded, key_proj), norm_key, eps, group_size=hidden).unflatten(-1, (hc_count, hidden))
     value = F.linear(embedded, value_proj)
     query = rms_norm(streams, norm_query, eps, group_size=hidden).unflatten(-1, (hc_count, hidden))

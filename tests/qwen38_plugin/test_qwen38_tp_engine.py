@@ -1,0 +1,115 @@
+"""Stock vLLM (CPU, fp32) serving the portable Qwen4Exp model with `--tensor-parallel-size 2`, and
+preempting its requests.
+
+One engine start per tensor-parallel size (1 and 2), each with a KV-cache budget so small
+(`num_gpu_blocks_override`) that the requests submitted together do not fit: vLLM must preempt
+running requests (recompute: a preempted request later starts over from its prompt and the tokens
+it already produced) and count it in `vllm:num_preemptions`. Before that, the same engine decodes
+every prompt by itself (no preemption) - the unpreempted run. Prompts: mixed short ones and long
+ones whose 32 decode steps cross a KV block boundary; a step budget of 64 tokens chunks the prefills.
+
+A third start, at TP=2 on a checkpoint whose GDN key heads cannot be split over 2 ranks, must fail
+and name the head count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.qwen38_plugin.test_qwen38_vllm_engine import STEPS, mixed_prompts, reference_greedy
+
+HERE = Path(__file__).resolve().parent
+LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
+# Room for a few of the requests at once (each takes one block per GDN layer and per QSA cache
+# for every started KV block); the long prompts then need new blocks while decoding.
+ENGINE_ARGS: dict[str, Any] = {
+    "enforce_eager": True,
+    "max_model_len": 512,
+    "max_num_batched_tokens": 64,
+    "max_num_seqs": 16,
+    "num_gpu_blocks_override": 33,
+    "enable_prefix_caching": False,  # a preempted request recomputes everything
+    "disable_log_stats": False,  # vllm:num_preemptions
+}
+
+
+def start_engine(model: Path, tp: int, prompts: list[list[int]], **overrides: Any) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one core per rank
+    extra = {**ENGINE_ARGS, "tensor_parallel_size": tp, "solo": True, **overrides}
+    args = [str(model), "float32", str(STEPS), json.dumps(prompts), json.dumps(extra)]
+    cmd = ["flock", LOCK, sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+
+
+def engine_result(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("qwen4_exp_text", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    # 230-250 tokens: 32 more tokens cross a KV block boundary for any block size from 32 to 256
+    long = [torch.randint(0, 248_000, (n,), generator=gen).tolist() for n in (236, 244, 231, 249)]
+    return mixed_prompts(0) + long
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint: Path, prompts: list[list[int]]) -> dict[int, dict[str, Any]]:
+    return {tp: engine_result(start_engine(checkpoint, tp, prompts)) for tp in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
+    return reference_greedy(checkpoint, prompts, torch.float32)
+
+
+def test_tp2_greedy_tokens_equal_tp1_and_transformers(
+    runs: dict[int, dict[str, Any]], reference: list[list[int]]
+) -> None:
+    assert runs[2]["tokens"] == runs[1]["tokens"]
+    assert runs[2]["tokens"] == reference
+    assert runs[2]["solo"] == reference
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_preempted_requests_produce_the_unpreempted_tokens(
+    runs: dict[int, dict[str, Any]], reference: list[list[int]], tp: int
+) -> None:
+    run = runs[tp]
+    assert run["preemptions"]["solo"] == 0, "one request at a time must fit in the KV budget"
+    assert run["preemptions"]["together"] > 0, "the KV budget no longer forces a preemption; lower it"
+    assert run["tokens"] == run["solo"]
+    assert run["tokens"] == reference
+
+
+def test_geometry_that_cannot_split_fails_at_startup_naming_the_head_count(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    # One GDN key head (three value heads) cannot be split over two ranks; stock vLLM's own
+    # check (query heads) passes, ours must refuse.
+    model = tiny_checkpoint(
+        "qwen4_exp_text", overrides={"linear_num_key_heads": 1, "linear_num_value_heads": 3}, dtype="float32"
+    )
+    proc = start_engine(model, 2, [[1, 2, 3]])
+    assert proc.returncode != 0
+    assert "linear_num_key_heads: 1 heads cannot be split over tensor_parallel_size=2" in proc.stdout + proc.stderr
