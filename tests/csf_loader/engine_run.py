@@ -1,9 +1,10 @@
 """Run stock vLLM (vllm.LLM) on a checkpoint; write greedy tokens, logprobs and every rank's FP4 tensors.
 
-    python engine_run.py MODEL TP LOAD_FORMAT OUT.json
+    python engine_run.py MODEL TP LOAD_FORMAT OUT.json [load-only]
 
 Run as a subprocess (engine processes spawn). Needs VLLM_ALLOW_INSECURE_SERIALIZATION=1
-for the collective_rpc that reads each worker's parameters.
+for the collective_rpc that reads each worker's parameters. ``load-only`` starts the
+engine (weights loaded and processed, KV cache allocated) and stops before any forward.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model, tp, load_format, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    load_only = sys.argv[5:] == ["load-only"]
     llm = LLM(
         model=model,
         tensor_parallel_size=tp,
@@ -43,6 +45,10 @@ def main() -> None:
         enforce_eager=True,
         seed=0,
     )
+    if load_only:
+        with open(out_path, "w") as f:
+            json.dump({"started": True}, f)
+        return
     prompts = ["The capital of France is", "def fibonacci(n):"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, logprobs=5))
     result = {

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.config import ModelConfig
+from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS, CsfFormatError, CsfPlane, decode, decode_region
@@ -375,28 +376,29 @@ class CsfModelLoader(DefaultModelLoader):
         super().load_weights(model, model_config)
 
 
-def make_mxfp4_csf_config() -> type:
+class Mxfp4CsfConfig(Mxfp4Config):
     """``mxfp4_csf``: stock's ``Mxfp4Config`` under the name a CSF container's config.json uses.
 
     The container decodes to the source MXFP4 tensors (``csf`` load format), so stock's
     MXFP4 methods are used unchanged; this class only lets vLLM accept
-    ``quant_method: mxfp4_csf`` and refuses expert parallelism at startup.
+    ``quant_method: mxfp4_csf`` and refuses expert parallelism at startup. It lives at
+    module level: vLLM pickles the config into its engine-core and worker processes.
     """
-    from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
 
-    class Mxfp4CsfConfig(Mxfp4Config):
-        @classmethod
-        def get_name(cls) -> Any:  # stock types this as a Literal of its own method names
+    @classmethod
+    def get_name(cls) -> Any:  # stock types this as a Literal of its own method names
+        return "mxfp4_csf"
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: Any, user_quant: Any, hf_config: Any = None) -> Any:
+        if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == "mxfp4_csf":
             return "mxfp4_csf"
+        return None
 
-        @classmethod
-        def override_quantization_method(cls, hf_quant_cfg: Any, user_quant: Any, hf_config: Any = None) -> Any:
-            if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == "mxfp4_csf":
-                return "mxfp4_csf"
-            return None
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
+        check_parallel_config()
+        return super().get_quant_method(layer, prefix)
 
-        def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
-            check_parallel_config()
-            return super().get_quant_method(layer, prefix)
 
+def make_mxfp4_csf_config() -> type:
     return Mxfp4CsfConfig

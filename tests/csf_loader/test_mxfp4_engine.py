@@ -1,0 +1,127 @@
+"""MXFP4-CSF through a real stock vLLM engine on CPU at TP=1 and TP=2.
+
+A tiny Qwen3-MoE checkpoint's routed experts are quantized to standard MXFP4 and converted
+to an MXFP4-CSF container (manifest, build contract, receipts, family table with its
+compressed layer range). The engine loads it with ``--load-format csf`` and the plugin's
+``mxfp4_csf`` quantization config, i.e. into stock's ``Mxfp4MoEMethod``. Every rank's
+parameters right after stock's weight loading (what stock's MXFP4 method registered and
+received, before its kernel-specific ``process_weights_after_loading``) must equal, byte
+for byte, that rank's slices of the uncompressed MXFP4 source.
+
+Where the engine stops on this machine: stock's only CPU MXFP4 MoE kernel needs AMX
+tiles. Without them, stock refuses to build its MXFP4 MoE method ("No MXFP4 MoE backend
+supports the deployment configuration") before any weight is loaded; the test hook
+(``mxfp4_hook/sitecustomize.py``) then reports AMX as present so that loading, weight
+processing and KV-cache setup run; the engine is stopped before its first forward, which
+would execute AMX instructions. On an AMX machine the hook changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from csf_loader.convert import main as csf_convert
+from tests.csf_loader.tiny_moe import build_mxfp4_moe
+
+HERE = Path(__file__).parent
+LOCK = "/tmp/qwen38-vllm.lock"
+LAYERS, EXPERTS = 2, 4
+
+
+def start_engine(model: Path, tp: int, dump: Path) -> str:
+    dump.mkdir()
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        CSF_TEST_DUMP_DIR=str(dump),
+        CSF_TEST_FAKE_AMX="1",
+        PYTHONPATH=os.pathsep.join([str(HERE / "mxfp4_hook"), os.environ.get("PYTHONPATH", "")]),
+    )
+    out = dump / "engine.json"
+    run = [sys.executable, str(HERE / "engine_run.py"), str(model), str(tp), "csf", str(out), "load-only"]
+    cmd = ["flock", LOCK, *run]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    assert json.loads(out.read_text()) == {"started": True}
+    return log
+
+
+@pytest.fixture(scope="module")
+def mxfp4_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("csf_mxfp4_engine")
+    source = build_mxfp4_moe(root)
+    csf = root / "qwen3_moe_mxfp4_csf"
+    assert csf_convert(["encode", str(source), str(csf), "--quiet"]) == 0
+    with safe_open(str(source / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    runs = {tp: start_engine(csf, tp, root / f"tp{tp}") for tp in (1, 2)}
+    ranks = {}
+    for tp in (1, 2):
+        for rank in range(tp):
+            with safe_open(str(root / f"tp{tp}" / f"rank{rank}.safetensors"), "pt") as f:
+                ranks[tp, rank] = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    return {"csf": csf, "source": tensors, "logs": runs, "ranks": ranks}
+
+
+def expected_rank_tensors(src: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """Every layer parameter of rank ``rank`` at TP ``tp``, cut from the source checkpoint's bytes."""
+
+    def part(t: torch.Tensor, dim: int) -> torch.Tensor:
+        size = t.shape[dim] // tp
+        return t.narrow(dim, rank * size, size)
+
+    out: dict[str, torch.Tensor] = {}
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}"
+        experts = f"{p}.mlp.experts"
+
+        def stack(proj: str, suffix: str, dim: int, experts: str = experts) -> torch.Tensor:
+            return torch.stack([part(src[f"{experts}.{e}.{proj}.{suffix}"], dim) for e in range(EXPERTS)])
+
+        for suffix in ("weight", "weight_scale"):
+            # w13 = [gate; up] (column-parallel rows), w2 = down (row-parallel: packed columns / scale columns).
+            out[f"{experts}.routed_experts.w13_{suffix}"] = torch.cat(
+                [stack("gate_proj", suffix, 0), stack("up_proj", suffix, 0)], dim=1
+            )
+            out[f"{experts}.routed_experts.w2_{suffix}"] = stack("down_proj", suffix, 1)
+        attn = f"{p}.self_attn"
+        # One KV head: replicated on both ranks; query heads split.
+        q, k, v = (src[f"{attn}.{n}_proj.weight"] for n in "qkv")
+        out[f"{attn}.qkv_proj.weight"] = torch.cat([part(q, 0), k, v])
+        out[f"{attn}.o_proj.weight"] = part(src[f"{attn}.o_proj.weight"], 1)
+        for name in ("mlp.gate", "input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+            out[f"{p}.{name}.weight"] = src[f"{p}.{name}.weight"]
+    return out
+
+
+def test_container_loads_into_stocks_mxfp4_moe_method(mxfp4_engines: dict[str, Any]) -> None:
+    manifest = json.loads((mxfp4_engines["csf"] / "manifest.json").read_text())
+    assert manifest["family"] == "qwen3_moe" and manifest["compressed_layers"] == [0, LAYERS]
+    for log in mxfp4_engines["logs"].values():
+        # Stock's MXFP4 MoE method with its CPU experts was built for the `mxfp4_csf` config.
+        assert "Using 'CPU' Mxfp4 MoE backend" in log, log[-4000:]
+        assert "quantization=mxfp4_csf" in log, log[-4000:]
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 0), (2, 1)])
+def test_each_rank_receives_the_source_bytes(mxfp4_engines: dict[str, Any], tp: int, rank: int) -> None:
+    got = mxfp4_engines["ranks"][tp, rank]
+    expected = expected_rank_tensors(mxfp4_engines["source"], tp, rank)
+    layer_params = {k for k in got if ".layers." in k}
+    assert layer_params == set(expected)
+    for name, want in expected.items():
+        have = got[name]
+        assert have.dtype == want.dtype and have.shape == want.shape, (name, have.dtype, have.shape, want.shape)
+        assert torch.equal(have.view(torch.uint8), want.contiguous().view(torch.uint8)), name
