@@ -14,10 +14,35 @@ at a time through a triangular solve, which is how prefill is done.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from qwen38_plugin.ops import gdn_cuda
 from qwen38_plugin.ops.common import causal_conv1d
+
+KERNELS = ("auto", "torch", "fla")
+# The default of `gated_delta_net(kernels=None)`, e.g. QWEN38_GDN_KERNELS=torch to run the
+# reference delta rule on CUDA inside a whole model for comparison.
+KERNELS_ENV = "QWEN38_GDN_KERNELS"
+
+
+def _use_fla(kernels: str | None, x: torch.Tensor) -> bool:
+    if kernels is None:
+        kernels = os.environ.get(KERNELS_ENV, "").strip() or "auto"
+        if kernels not in KERNELS:
+            raise ValueError(f"{KERNELS_ENV}={kernels!r}: use one of {', '.join(KERNELS)}")
+    if kernels not in KERNELS:
+        raise ValueError(f"gated_delta_net: kernels={kernels!r}; use one of {', '.join(KERNELS)}")
+    if kernels == "torch" or (kernels == "auto" and not x.is_cuda):
+        return False
+    if gdn_cuda.fla_kernels() is None:
+        if kernels == "fla":
+            raise RuntimeError(f"gated_delta_net: kernels='fla' needs fla-core: {gdn_cuda.INSTALL_HINT}")
+        gdn_cuda.warn_missing_once()
+        return False
+    return True
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -144,6 +169,7 @@ def gated_delta_net(
     conv_state: torch.Tensor | None = None,
     recurrent_state: torch.Tensor | None = None,
     chunk_size: int | None = 64,
+    kernels: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Gated DeltaNet layer between its input and output projections.
 
@@ -152,6 +178,12 @@ def gated_delta_net(
     States as in the module docstring (None: zeros). ``chunk_size=None`` uses the recurrent form.
     Returns (y ``[B, T, Hv * Dv]`` for the output projection, conv state, recurrent state).
     Works on any subset of heads (tensor-parallel shards) as long as every tensor agrees.
+
+    ``kernels``: "torch" runs the plain-torch delta rule above (the reference); "fla" runs
+    flash-linear-attention's kernels (`ops.gdn_cuda`, CUDA tensors, fla-core installed);
+    "auto" runs fla's on CUDA tensors when fla-core is installed (else torch, with a one-time
+    warning naming the extra to install) and torch everywhere else. None (the default) reads
+    ``QWEN38_GDN_KERNELS``, "auto" when unset.
     """
     batch, seq_len, _ = mixed_qkv.shape
     key_dim = num_k_heads * head_k_dim
@@ -160,15 +192,21 @@ def gated_delta_net(
     q = q.reshape(batch, seq_len, num_k_heads, head_k_dim)
     k = k.reshape(batch, seq_len, num_k_heads, head_k_dim)
     v = v.reshape(batch, seq_len, -1, head_v_dim)
-    repeat = v.shape[2] // num_k_heads
-    if repeat > 1:
-        q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
     beta = b.sigmoid()
     # fp32: in fp16, exp(A_log) * softplus(.) can overflow to -inf.
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    if chunk_size is None:
-        o, recurrent_state = gated_delta_rule_recurrent(q, k, v, g, beta, recurrent_state)
+    if _use_fla(kernels, mixed_qkv):
+        # fla maps value head j to key head j // (Hv // Hk) itself (the repeat below).
+        o, recurrent_state = gdn_cuda.gated_delta_rule_fla(
+            q, k, v, g, beta, recurrent_state, chunked=chunk_size is not None
+        )
     else:
-        o, recurrent_state = gated_delta_rule_chunked(q, k, v, g, beta, recurrent_state, chunk_size)
+        repeat = v.shape[2] // num_k_heads
+        if repeat > 1:
+            q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+        if chunk_size is None:
+            o, recurrent_state = gated_delta_rule_recurrent(q, k, v, g, beta, recurrent_state)
+        else:
+            o, recurrent_state = gated_delta_rule_chunked(q, k, v, g, beta, recurrent_state, chunk_size)
     y = gated_rms_norm(o, z.reshape(batch, seq_len, -1, head_v_dim), norm_weight, eps, gate_activation)
     return y.reshape(batch, seq_len, -1), conv_state, recurrent_state
