@@ -250,7 +250,7 @@ def test_killed_conversion_leaves_no_checkpoint(tmp_path: Path, sig: signal.Sign
     src = make_nvfp4_moe(tmp_path / "src")
     # Padding tensors make the run long enough to be interrupted mid-way.
     for i in range(6):
-        save_file({"pad": torch.zeros(64 * 1024 * 1024 // 4)}, str(src / f"pad-{i}.safetensors"))
+        save_file({f"pad{i}": torch.zeros(64 * 1024 * 1024 // 4)}, str(src / f"pad-{i}.safetensors"))
     index = json.loads((src / "model.safetensors.index.json").read_text())
     index["weight_map"].update({f"pad{i}": f"pad-{i}.safetensors" for i in range(6)})
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -275,3 +275,22 @@ def test_killed_conversion_leaves_no_checkpoint(tmp_path: Path, sig: signal.Sign
     assert not list(tmp_path.glob(".csf.csf-partial-*"))
     assert main(["verify", str(dst), "--quiet"]) == 0
     assert time.monotonic() - started < 120
+
+
+def test_wrong_scale_dtype_or_shape_in_the_source_fails_naming_the_tensor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = make_nvfp4_moe(tmp_path / "src")
+    shard = src / "model-00001-of-00002.safetensors"
+    with safe_open(str(shard), "pt") as f:
+        good = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    name = "model.layers.0.mlp.experts.1.down_proj.weight_scale"
+    save_file({**good, name: good[name].float()}, str(shard))
+    assert main(["encode", str(src), str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"model-00001-of-00002.safetensors: tensor {name}: F32 [48, 4]; a NVFP4 block scale" in err
+    save_file({**good, name: good[name][:, :2].contiguous()}, str(shard))
+    assert main(["encode", str(src), str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor model.layers.0.mlp.experts.1.down_proj.weight: shape [48, 32] does not match its scale" in err
+    assert not (tmp_path / "out").exists()

@@ -169,3 +169,99 @@ def test_stream_decodes_only_the_rank_extent_when_given() -> None:
     got = out["l.weight_scale"].view(torch.uint8)
     assert got.shape == (64, 8)
     assert torch.equal(got[16:48, 2:6], s[16:48, 2:6])
+
+
+def rewrite_shard(path: Path, change: Any) -> None:
+    """Rewrite a safetensors shard with ``change(tensors)`` applied (same file name)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_preflight_names_file_and_tensor_for_bad_nvfp4_checkpoints(tmp_path: Path) -> None:
+    from csf_loader.convert import main as csf_convert
+    from csf_loader.vllm_loader import preflight
+    from tests.csf_loader.test_convert import make_nvfp4_moe
+
+    src = make_nvfp4_moe(tmp_path / "src")
+    csf = tmp_path / "csf"
+    assert csf_convert(["encode", str(src), str(csf), "--quiet"]) == 0
+    preflight(str(src))
+    preflight(str(csf))
+    shard = csf / "model-00002-of-00002.safetensors"
+    good = shard.read_bytes()
+    expert = "model.layers.1.mlp.experts.3.down_proj"
+
+    shard.write_bytes(good[:-100])  # truncated: the last tensor in the data section is cut
+    with pytest.raises(CsfLoadError, match=r"model-00002-of-00002.safetensors: tensor .* truncated"):
+        preflight(str(csf))
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + good[24:])
+    with pytest.raises(CsfLoadError, match=r"model-00002-of-00002.safetensors: corrupt safetensors header"):
+        preflight(str(csf))
+
+    shard.write_bytes(good)
+    rewrite_shard(shard, lambda t: t.update({f"{expert}.weight_scale.nvfp4_csf_fixed": torch.zeros(3, 5)}))
+    with pytest.raises(CsfLoadError, match=rf"tensor {expert}.weight_scale.nvfp4_csf_fixed: F32 \[3, 5\]; expected U8"):
+        preflight(str(csf))
+    shard.write_bytes(good)
+    rewrite_shard(shard, lambda t: t.update({f"{expert}.weight_scale.nvfp4_csf_exceptions": torch.zeros(2, 2)}))
+    with pytest.raises(
+        CsfLoadError, match=rf"{expert}.weight_scale.nvfp4_csf_exceptions: F32 \[2, 2\]; expected 1-D U32"
+    ):
+        preflight(str(csf))
+    shard.write_bytes(good)
+    rewrite_shard(shard, lambda t: t.update({f"{expert}.weight": t[f"{expert}.weight"][:32]}))
+    with pytest.raises(CsfLoadError, match=rf"tensor {expert}.weight: shape \[32, 32\] does not match its scale"):
+        preflight(str(csf))
+
+    # The index names a shard that is not there.
+    shard.write_bytes(good)
+    index = json.loads((csf / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.extra.weight"] = "model-00003-of-00002.safetensors"
+    (csf / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        CsfLoadError, match=r"index.json names shard model-00003-of-00002.safetensors, which is missing"
+    ):
+        preflight(str(csf))
+
+    # A plain NVFP4 scale that does not fit its weight (stock would fail deep in its weight loader).
+    plain = src / "model-00001-of-00002.safetensors"
+    rewrite_shard(
+        plain,
+        lambda t: t.update(
+            {"model.layers.0.self_attn.o_proj.weight_scale": torch.zeros(48, 2).to(torch.float8_e4m3fn)}
+        ),
+    )
+    with pytest.raises(
+        CsfLoadError, match=r"tensor model.layers.0.self_attn.o_proj.weight: shape \[48, 32\] does not match"
+    ):
+        preflight(str(src))
+
+
+def test_preflight_checks_mxfp4_container_shards_against_receipts(tmp_path: Path) -> None:
+    from csf_loader.convert import main as csf_convert
+    from csf_loader.vllm_loader import preflight
+    from tests.csf_loader.test_convert import make_mxfp4_moe
+
+    src = make_mxfp4_moe(tmp_path / "src")
+    csf = tmp_path / "csf"
+    assert csf_convert(["encode", str(src), str(csf), "--quiet"]) == 0
+    preflight(str(csf))
+    shard = csf / "tensors" / "model.safetensors"
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])
+    with pytest.raises(CsfLoadError, match=r"tensors/model.safetensors: tensor .* truncated"):
+        preflight(str(csf))
+    shard.write_bytes(good)
+    receipt_path = csf / "receipts" / "model.safetensors.json"
+    receipt = json.loads(receipt_path.read_text())
+    name = "model.layers.1.mlp.experts.0.w1.scale"
+    receipt["tensors"][name]["shape"] = [48, 3]
+    receipt_path.write_text(json.dumps(receipt))
+    too_short = rf"{name}.mxfp4_csf_fixed: 64 bytes do not code the receipt's \[48, 3\] scales \(96 bytes\)"
+    with pytest.raises(CsfLoadError, match=too_short):
+        preflight(str(csf))

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, CsfFormatError, CsfPlane, decode, encode
+from csf_loader.preflight import check_source_scales
 from csf_loader.safetensors_io import (
     CheckpointError,
     ShardReader,
@@ -354,6 +355,7 @@ def encode_checkpoint(
     config = json.loads(config_path.read_text())
     codec = codec or detect_codec(config)
     shards = shard_names(src)
+    check_source_scales(src, shards, codec.family)  # headers only: dtypes, truncation, scale/weight fit
     progress = Progress("encode", sum((src / s).stat().st_size for s in shards), quiet=quiet)
     summary: dict[str, Any] = {"codec": codec.name, "shards": len(shards), "tensors": 0}
     with atomic_output_dir(dst, force) as tmp:

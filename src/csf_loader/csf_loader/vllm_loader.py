@@ -11,6 +11,9 @@ ModelOpt ``MIXED_PRECISION`` config reads the CSF ``config.json`` unchanged (it
 ignores ``weight_scale_encoding``).
 
 Startup checks (each error names the tensor, and the shard when known):
+* before any tensor is read: missing or truncated shards, corrupt headers, CSF streams
+  with wrong dtypes / shapes / no partner, scales that do not fit their weights
+  (``preflight``);
 * a stream without its partner, a base above 240, an exception outside the plane,
   wrong dtypes / shapes (codec validation);
 * missing parameters (weights tracking on by default, also for quantized models);
@@ -39,6 +42,8 @@ from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS, CsfFormatError, CsfPlane, decode, decode_region
+from csf_loader.preflight import check_mxfp4_container, check_nvfp4_checkpoint
+from csf_loader.safetensors_io import CheckpointError
 
 logger = logging.getLogger("vllm.plugins.csf_loader")
 
@@ -275,6 +280,27 @@ def mxfp4_container_stream(root: Path) -> Generator[tuple[str, torch.Tensor], No
                     raise CsfLoadError(f"{path}: {name} has no partner {name[: -len(exc_sfx)]}{fixed_sfx}")
 
 
+def preflight(model: str) -> None:
+    """Check a local checkpoint's files (headers only) before stock reads any tensor.
+
+    Missing or truncated shards, corrupt headers, CSF streams with the wrong dtype, shape
+    or no partner, and scales that do not fit their weights fail here, naming the file and
+    tensor (``csf_loader.preflight``). A hub model id is resolved by stock later; its
+    files get the checks of the weight stream only.
+    """
+    root = Path(model)
+    if not root.is_dir():
+        return
+    try:
+        if is_mxfp4_container(model):
+            contract = read_mxfp4_contract(root)
+            check_mxfp4_container(root, contract["shards"], contract["receipts"])
+        else:
+            check_nvfp4_checkpoint(root)
+    except CheckpointError as exc:
+        raise CsfLoadError(str(exc)) from None
+
+
 def tp_extent_resolver(model: nn.Module) -> Callable[[str, int, int], Extent | None]:
     """This rank's region of a checkpoint scale matrix, from the stock layer that loads it.
 
@@ -371,6 +397,7 @@ class CsfModelLoader(DefaultModelLoader):
         from vllm.distributed import get_tensor_model_parallel_world_size
 
         check_parallel_config()
+        preflight(model_config.model)
         planes = csf_planes(model_config.model)
         check_tp_geometry(model, planes, get_tensor_model_parallel_world_size())
         super().load_weights(model, model_config)

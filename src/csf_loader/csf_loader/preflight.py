@@ -1,0 +1,155 @@
+"""Startup checks of a checkpoint's files before any tensor is read (no vLLM import).
+
+Run by the ``csf`` load format before stock's weight loading, so bad input fails with
+the file and tensor named instead of deep inside a reader or a weight loader:
+* every shard the index (or an MXFP4-CSF manifest) names exists;
+* every shard's safetensors header parses and its tensors fit the file (truncation);
+* CSF streams have their dtypes (fixed ``U8``, exceptions ``U32``, 1-D), shapes and
+  partner;
+* each FP4 scale matrix (plain or CSF-coded) fits its weight: NVFP4 ``weight`` ``U8
+  [rows, 8 * cols]`` for a ``[rows, cols]`` scale; MXFP4 ``weight`` ``U8 [..., rows,
+  16 * cols]`` for a ``[..., rows, cols]`` scale.
+Only headers are read (a few kilobytes per shard).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS
+from csf_loader.safetensors_io import CheckpointError, ShardHeader, TensorEntry, read_header
+
+INDEX = "model.safetensors.index.json"
+
+
+def shard_headers(root: Path, shards: list[str], named_by: Path | None) -> dict[str, ShardHeader]:
+    headers: dict[str, ShardHeader] = {}
+    for shard in shards:
+        path = root / shard
+        if not path.is_file():
+            by = f"{named_by} names shard {shard}, which" if named_by else f"shard {path}"
+            raise CheckpointError(f"{by} is missing from {root}")
+        headers[shard] = read_header(path)
+    return headers
+
+
+def _entries(headers: dict[str, ShardHeader]) -> dict[str, tuple[str, TensorEntry]]:
+    found: dict[str, tuple[str, TensorEntry]] = {}
+    for shard, header in headers.items():
+        for name, entry in header.tensors.items():
+            if name in found:
+                raise CheckpointError(f"{header.path}: tensor {name} is also stored in {found[name][0]}")
+            found[name] = (shard, entry)
+    return found
+
+
+def _check_weight_fits(
+    entries: dict[str, tuple[str, TensorEntry]], root: Path, scale: str, shape: tuple[int, ...], per_byte_cols: int
+) -> None:
+    """The packed ``<module>.weight`` next to a scale must hold ``per_byte_cols`` bytes per scale."""
+    weight = scale.rsplit(".", 1)[0] + ".weight"
+    if weight not in entries or not scale.endswith(".weight_scale"):
+        return
+    shard, w = entries[weight]
+    if w.dtype != "U8":
+        return
+    expected = (*shape[:-1], shape[-1] * per_byte_cols)
+    if tuple(w.shape) != expected:
+        raise CheckpointError(
+            f"{root / shard}: tensor {weight}: shape {list(w.shape)} does not match its scale {scale} "
+            f"{list(shape)} (expected {list(expected)})"
+        )
+
+
+def check_nvfp4_checkpoint(root: Path) -> None:
+    """Standard NVFP4 or NVFP4-CSF checkpoint directory (index optional)."""
+    index = root / INDEX
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: unreadable index ({exc})") from None
+        shards = sorted(set(weight_map.values()))
+        headers = shard_headers(root, shards, index)
+        for name, shard in weight_map.items():
+            if name not in headers[shard].tensors:
+                raise CheckpointError(f"{index}: maps tensor {name} to {shard}, which does not hold it")
+    else:
+        headers = shard_headers(root, sorted(p.name for p in root.glob("*.safetensors")), None)
+    entries = _entries(headers)
+    fixed_sfx, exc_sfx = NVFP4_CSF.fixed_suffix, NVFP4_CSF.exceptions_suffix
+    for name, (shard, entry) in entries.items():
+        where = f"{root / shard}: tensor {name}"
+        if name.endswith(fixed_sfx):
+            base = name[: -len(fixed_sfx)]
+            if base + exc_sfx not in entries:
+                raise CheckpointError(f"{where} has no partner {base}{exc_sfx}")
+            if entry.dtype != "U8" or len(entry.shape) != 2 or entry.shape[1] % SLAB_ROWS or entry.shape[1] < 32:
+                raise CheckpointError(
+                    f"{where}: {entry.dtype} {list(entry.shape)}; expected U8 [rows / 16, 16 * (1 + cols / 2)]"
+                )
+            rows, cols = entry.shape[0] * SLAB_ROWS, (entry.shape[1] // SLAB_ROWS - 1) * 2
+            _check_weight_fits(entries, root, base, (rows, cols), 8)
+        elif name.endswith(exc_sfx):
+            base = name[: -len(exc_sfx)]
+            if base + fixed_sfx not in entries:
+                raise CheckpointError(f"{where} has no partner {base}{fixed_sfx}")
+            if entry.dtype != "U32" or len(entry.shape) != 1:
+                raise CheckpointError(f"{where}: {entry.dtype} {list(entry.shape)}; expected 1-D U32 exception words")
+        elif name.endswith(".weight_scale") and entry.dtype == "F8_E4M3" and len(entry.shape) == 2:
+            _check_weight_fits(entries, root, name, tuple(entry.shape), 8)
+
+
+def check_mxfp4_container(root: Path, shards: list[str], receipts: dict[str, Any]) -> None:
+    """Shards of a validated MXFP4-CSF container against their receipts."""
+    tensors = root / "tensors"
+    headers = shard_headers(tensors, shards, root / "manifest.json")
+    entries = _entries(headers)
+    fixed_sfx, exc_sfx = MXFP4_CSF.fixed_suffix, MXFP4_CSF.exceptions_suffix
+    for shard in shards:
+        compressed: dict[str, Any] = receipts[shard].get("tensors", {})
+        for base, info in compressed.items():
+            where = f"{tensors / shard}: tensor {base}"
+            shape = tuple(int(d) for d in info.get("shape", ()))
+            if len(shape) < 2:
+                raise CheckpointError(f"{root / 'receipts' / (shard + '.json')}: {base}: bad shape {list(shape)}")
+            for sfx, dtype in ((fixed_sfx, "U8"), (exc_sfx, "U32")):
+                if base + sfx not in headers[shard].tensors:
+                    raise CheckpointError(f"{where}{sfx} is missing (its receipt lists {base} as compressed)")
+                entry = headers[shard].tensors[base + sfx]
+                if entry.dtype != dtype or len(entry.shape) != 1:
+                    raise CheckpointError(
+                        f"{where}{sfx}: {entry.dtype} {list(entry.shape)}; expected a 1-D {dtype} stream"
+                    )
+            rows = 1
+            for d in shape[:-1]:
+                rows *= d
+            fixed = headers[shard].tensors[base + fixed_sfx]
+            if rows % SLAB_ROWS:
+                raise CheckpointError(f"{where}: receipt shape {list(shape)} is not whole 16-row slabs")
+            if fixed.shape[0] != MXFP4_CSF.fixed_numel(rows, shape[-1]):
+                raise CheckpointError(
+                    f"{where}{fixed_sfx}: {fixed.shape[0]} bytes do not code the receipt's {list(shape)} scales "
+                    f"({MXFP4_CSF.fixed_numel(rows, shape[-1])} bytes)"
+                )
+            _check_weight_fits(entries, tensors, base, shape, 16)
+
+
+def check_source_scales(root: Path, shards: list[str], family: str) -> None:
+    """A standard FP4 source for ``csf-convert encode``: every ``<m>.weight_scale`` next to a
+    packed ``U8`` ``<m>.weight`` has the format's dtype and fits the weight."""
+    entries = _entries(shard_headers(root, shards, None))
+    dtypes = ("F8_E4M3",) if family == "nvfp4" else ("U8", "F8_E8M0")
+    per_byte_cols = 8 if family == "nvfp4" else 16
+    for name, (shard, entry) in entries.items():
+        weight = name.removesuffix(".weight_scale") + ".weight"
+        if not name.endswith(".weight_scale") or weight not in entries or entries[weight][1].dtype != "U8":
+            continue
+        if entry.dtype not in dtypes or len(entry.shape) < 2:
+            raise CheckpointError(
+                f"{root / shard}: tensor {name}: {entry.dtype} {list(entry.shape)}; a {family.upper()} block scale "
+                f"of a packed FP4 weight must be {' or '.join(dtypes)} with at least 2 dimensions"
+            )
+        _check_weight_fits(entries, root, name, tuple(entry.shape), per_byte_cols)
