@@ -4,22 +4,36 @@ One server for the module, started with the flags the README documents. The tiny
 model is random, so requests are greedy and the tool-call grammar (strict tools,
 xgrammar structural tags) or `structured_outputs` decides what it writes; a logit
 bias against whitespace-only tokens keeps it from filling the grammar's whitespace
-slack until max_tokens. Every case compares the streamed response, joined, with
-the non-streamed one.
+slack until max_tokens. Outputs no grammar can produce (a `<tool_call>` inside the
+reasoning, malformed or mistyped calls, closing tags inside values) are forced token
+by token through the test-support logits processor in `forced_output.py`, loaded
+with vLLM's own `--logits-processors` flag. Every case compares the streamed
+response, joined, with the non-streamed one.
 
-Run with the shared lock: `flock /tmp/qwen38-vllm.lock .venv/bin/pytest tests/tool_parsers/test_tool_parsers_server.py`.
+The server start takes the shared engine lock (/tmp/qwen38-vllm.lock) itself.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import re
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import openai
 import pytest
+
+from tests.tool_parsers.forced_output import CLASS_PATH, FORCED_IDS_KEY, SLEEP_KEY
+from tests.tool_parsers.qwen38_harness import Qwen38Harness, render_call
+
+LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
+ROOT = Path(__file__).resolve().parents[2]
+STALL_SECONDS = 1
 
 SERVER_ARGS = [
     "--served-model-name",
@@ -35,6 +49,10 @@ SERVER_ARGS = [
     "tool_parsers.middleware.Qwen38Middleware",
     "--sse-keep-alive-interval",
     "1",
+    "--enforce-eager",
+    "--enable-log-requests",
+    "--logits-processors",
+    CLASS_PATH,
 ]
 
 TOOLS: list[dict[str, Any]] = [
@@ -61,9 +79,38 @@ NO_THINKING = {"enable_thinking": False}
 THINKING = {"enable_thinking": True}
 
 
+# Tools without `strict`: no grammar, so forced outputs reach the parser as written.
+LOOSE_TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
 @pytest.fixture(scope="module")
-def server(start_server: Any, tiny_checkpoint: Any) -> Any:
-    return start_server(tiny_checkpoint("qwen3"), SERVER_ARGS)
+def server(start_server: Any, tiny_checkpoint: Any) -> Iterator[Any]:
+    model = tiny_checkpoint("qwen3")
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        env = {"PYTHONPATH": str(ROOT), "TOOL_PARSERS_STALL_SECONDS": str(STALL_SECONDS)}
+        server = start_server(model, SERVER_ARGS, env=env)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def forced(harness: Qwen38Harness, text: str, **extra: Any) -> dict[str, Any]:
+    """`vllm_xargs` that make the engine write exactly `text` (then EOS)."""
+    return {FORCED_IDS_KEY: harness.encode(text), **extra}
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +320,270 @@ def test_messages_forced_call_cut_by_max_tokens_is_left_out(server: Any) -> None
     assert server.log().count("/v1/messages: left out tool calls cut short: set_level") >= 2
 
 
-# Keep-alive and the request timeline
+# R01: a <tool_call> written inside the reasoning ends it (forced: no grammar applies there)
+
+
+@pytest.mark.parametrize(
+    "answer_format",
+    [
+        {"response_format": {"type": "json_object"}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+            }
+        },
+    ],
+)
+def test_tool_call_marker_in_reasoning_leaves_a_json_answer(
+    client: openai.OpenAI, harness: Qwen38Harness, answer_format: dict[str, Any]
+) -> None:
+    # The JSON grammar starts after the marker; stock vLLM fed the marker to the grammar,
+    # which rejected it, and the request ended with an internal error (HTTP 500).
+    answer = '{"a": 1}'
+    result = both(
+        client,
+        max_tokens=40,
+        extra_body={
+            "chat_template_kwargs": THINKING,
+            "vllm_xargs": forced(harness, "Think first.<tool_call>" + answer),
+        },
+        **answer_format,
+    )
+    assert result == {"reasoning": "Think first.", "content": answer, "calls": [], "finish": "stop"}
+
+
+def test_tool_call_marker_in_reasoning_starts_the_call(client: openai.OpenAI, harness: Qwen38Harness) -> None:
+    call = render_call("get_weather", {"city": "Paris", "days": "3"})
+    result = both(
+        client,
+        tools=LOOSE_TOOLS,
+        max_tokens=60,
+        extra_body={"chat_template_kwargs": THINKING, "vllm_xargs": forced(harness, "Think first." + call)},
+    )
+    assert result == {
+        "reasoning": "Think first.",
+        "content": None,
+        "calls": [("get_weather", json.dumps({"city": "Paris", "days": 3}))],
+        "finish": "tool_calls",
+    }
+
+
+# Values that contain the closing tags
+
+
+def test_value_containing_the_terminator_sequence_is_kept_whole(client: openai.OpenAI, harness: Qwen38Harness) -> None:
+    city = "a</parameter>\n</function>\nb"
+    text = render_call("get_weather", {"city": city, "days": "2"})
+    result = both(
+        client,
+        tools=LOOSE_TOOLS,
+        max_tokens=80,
+        extra_body={"chat_template_kwargs": NO_THINKING, "vllm_xargs": forced(harness, text)},
+    )
+    assert [(name, json.loads(args)) for name, args in result["calls"]] == [("get_weather", {"city": city, "days": 2})]
+
+
+# Bad input: the response keeps what is valid and says what was dropped (tool_call_issues)
+
+BAD_OUTPUTS: dict[str, tuple[str, int]] = {
+    # name: (forced output, max_tokens)
+    "malformed": ("Sure. <tool_call>\nhello\n</tool_call>", 60),
+    "unknown_function": (
+        render_call("delete_everything", {"path": "/"}) + "\n" + render_call("get_weather", {"city": "Paris"}),
+        80,
+    ),
+    "type_mismatch": (render_call("get_weather", {"city": "Oslo", "days": "a week"}), 80),
+    # Cut by max_tokens inside the city value.
+    "cut_short": (render_call("get_weather", {"days": "3", "city": "Rome and many more words here"}), 0),
+}
+
+
+def bad_output(harness: Qwen38Harness, case: str) -> tuple[dict[str, Any], int]:
+    text, max_tokens = BAD_OUTPUTS[case]
+    if case == "cut_short":
+        max_tokens = len(harness.encode(text[: text.index("many")]))
+    return forced(harness, text), max_tokens
+
+
+def expected_issue(case: str, api: str) -> dict[str, Any]:
+    """The one issue each bad output gives; `/v1/messages` leaves a call cut short out."""
+    if case == "malformed":
+        return {"issue": "malformed", "action": "dropped_call", "index": 0, "name": None}
+    if case == "unknown_function":
+        return {"issue": "unknown_function", "action": "dropped_call", "index": 0, "name": "delete_everything"}
+    if case == "type_mismatch":
+        return {
+            "issue": "type_mismatch",
+            "action": "dropped_argument",
+            "name": "get_weather",
+            "argument": "days",
+            "expected": ["integer"],
+            "value": "a week",
+        }
+    action = "dropped_call" if api == "messages" else "kept_incomplete"
+    return {"issue": "cut_short", "action": action, "index": 0, "name": "get_weather"}
+
+
+def check_issues(issues: Any, case: str, api: str) -> None:
+    assert isinstance(issues, list) and len(issues) == 1, issues
+    expected = expected_issue(case, api)
+    assert {key: issues[0].get(key) for key in expected} == expected
+
+
+def expected_calls(case: str) -> list[tuple[str, dict[str, Any]]]:
+    """What stays valid of each bad output."""
+    if case == "unknown_function":
+        return [("get_weather", {"city": "Paris"})]
+    if case == "type_mismatch":
+        return [("get_weather", {"city": "Oslo"})]
+    return []
+
+
+@pytest.mark.parametrize("case", list(BAD_OUTPUTS))
+def test_chat_says_what_was_dropped(client: openai.OpenAI, harness: Qwen38Harness, case: str) -> None:
+    xargs, max_tokens = bad_output(harness, case)
+    request: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": LOOSE_TOOLS,
+        "max_tokens": max_tokens,
+        "extra_body": {"chat_template_kwargs": NO_THINKING, "vllm_xargs": xargs},
+    }
+    raw = client.chat.completions.with_raw_response.create(**request)
+    completion = raw.parse()
+    issues = (completion.model_extra or {}).get("tool_call_issues")
+    check_issues(issues, case, "chat")
+    assert raw.headers["x-tool-call-issues"].startswith(f"{case}:")
+    message = completion.choices[0].message
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+    if case == "cut_short":
+        # Kept (incomplete, with what it has), and the finish reason says the output was cut.
+        ((name, args),) = calls
+        assert name == "get_weather" and args["days"] == 3
+        assert args["city"].startswith("Rome and") and "Rome and many more words here".startswith(args["city"])
+        assert completion.choices[0].finish_reason == "length"
+    else:
+        assert calls == expected_calls(case)
+    assert "<tool_call>" not in (message.content or "")
+
+    streamed_issues = None
+    for chunk in client.chat.completions.create(stream=True, **request):
+        streamed_issues = (chunk.model_extra or {}).get("tool_call_issues", streamed_issues)
+    assert streamed_issues is not None
+    assert [{k: v for k, v in i.items() if k != "id"} for i in streamed_issues] == [
+        {k: v for k, v in i.items() if k != "id"} for i in issues
+    ]
+    assert chat(client, True, **request)["calls"] == chat(client, False, **request)["calls"]
+
+
+@pytest.mark.parametrize("case", list(BAD_OUTPUTS))
+def test_responses_say_what_was_dropped(server: Any, harness: Qwen38Harness, case: str) -> None:
+    xargs, max_tokens = bad_output(harness, case)
+    body = {
+        "model": "tiny",
+        "input": "hi",
+        "tools": [{"type": "function", **LOOSE_TOOLS[0]["function"]}],
+        "max_output_tokens": max_tokens,
+        "chat_template_kwargs": NO_THINKING,
+        "vllm_xargs": xargs,
+    }
+    response = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=120)
+    assert response.status_code == 200
+    full = response.json()
+    check_issues(full["tool_call_issues"], case, "responses")
+    assert response.headers["x-tool-call-issues"].startswith(f"{case}:")
+    final = responses_stream(server, body)[-1]
+    assert final["type"] in ("response.completed", "response.incomplete")
+    assert strip_ids(final["response"]["tool_call_issues"]) == strip_ids(full["tool_call_issues"])
+    calls = [
+        (item["name"], json.loads(item["arguments"])) for item in full["output"] if item["type"] == "function_call"
+    ]
+    if case != "cut_short":
+        assert calls == expected_calls(case)
+    assert strip_ids(final["response"]["output"]) == strip_ids(full["output"])
+
+
+@pytest.mark.parametrize("case", list(BAD_OUTPUTS))
+def test_messages_say_what_was_dropped(server: Any, harness: Qwen38Harness, case: str) -> None:
+    xargs, max_tokens = bad_output(harness, case)
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    request: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "get_weather", "input_schema": LOOSE_TOOLS[0]["function"]["parameters"]}],
+        "extra_body": {"chat_template_kwargs": NO_THINKING, "vllm_xargs": xargs},
+    }
+    message = client.messages.create(**request)
+    issues = (message.model_extra or {}).get("tool_call_issues")
+    check_issues(issues, case, "messages")
+    calls = [(block.name, block.input) for block in message.content if block.type == "tool_use"]
+    assert calls == expected_calls(case)
+    if case == "cut_short":
+        assert message.stop_reason == "max_tokens"
+
+    with client.messages.stream(**request) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e for e in events if e.type == "message_delta"]
+    assert strip_ids((deltas[-1].model_extra or {}).get("tool_call_issues")) == strip_ids(issues)
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == calls
+
+
+def strip_ids(value: Any) -> Any:
+    """`value` without the random ids the server gives items and calls, and without item
+    `status` (stock vLLM leaves it null on non-streamed reasoning items, "completed" when streamed)."""
+    if isinstance(value, list):
+        return [strip_ids(item) for item in value]
+    if isinstance(value, dict):
+        return {k: strip_ids(v) for k, v in value.items() if k not in ("id", "call_id", "status")}
+    return value
+
+
+def responses_stream(server: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
+    lines = sse_lines(server, "/v1/responses", {**body, "stream": True})
+    return [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+
+
+# Responses API: reasoning and tool calls, streamed and not
+
+
+def test_responses_reasoning_and_parallel_calls(server: Any, harness: Qwen38Harness) -> None:
+    calls = [("get_weather", {"city": "Paris", "days": "3"}), ("get_weather", {"city": "Rome", "days": "1"})]
+    text = "Hmm, two cities.\n</think>\n\nChecking.\n" + "\n".join(render_call(n, a) for n, a in calls)
+    body = {
+        "model": "tiny",
+        "input": "hi",
+        "tools": [{"type": "function", **LOOSE_TOOLS[0]["function"]}],
+        "max_output_tokens": 120,
+        "chat_template_kwargs": THINKING,
+        "vllm_xargs": forced(harness, text),
+    }
+    full = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=120).json()
+    kinds = [item["type"] for item in full["output"]]
+    assert kinds == ["reasoning", "message", "function_call", "function_call"]
+    assert full["output"][0]["content"][0]["text"] == "Hmm, two cities.\n"
+    assert full["output"][1]["content"][0]["text"].strip() == "Checking."
+    parsed = [(item["name"], json.loads(item["arguments"])) for item in full["output"][2:]]
+    assert parsed == [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Rome", "days": 1})]
+    assert "tool_call_issues" not in full
+
+    events = responses_stream(server, body)
+    assert strip_ids(events[-1]["response"]["output"]) == strip_ids(full["output"])
+    # The deltas, joined, give the same items as the final response.
+    reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    text_out = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    arguments: dict[int, str] = {}
+    for event in events:
+        if event["type"] == "response.function_call_arguments.delta":
+            arguments[event["output_index"]] = arguments.get(event["output_index"], "") + event["delta"]
+    assert reasoning == full["output"][0]["content"][0]["text"]
+    assert text_out == full["output"][1]["content"][0]["text"]
+    assert [json.loads(arguments[i]) for i in sorted(arguments)] == [args for _, args in parsed]
+
+
+# Keep-alive, the request log and stalled requests
 
 
 def sse_lines(server: Any, path: str, body: dict[str, Any]) -> list[str]:
@@ -284,35 +594,68 @@ def sse_lines(server: Any, path: str, body: dict[str, Any]) -> list[str]:
 
 
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
-def test_streams_with_keep_alive_stay_well_formed(server: Any, path: str) -> None:
+def test_idle_streams_get_keep_alive_comments(server: Any, harness: Qwen38Harness, path: str) -> None:
+    # The engine stalls 1.5 s before each of its 3 steps; the interval is 1 s.
+    xargs = forced(harness, "a b", **{SLEEP_KEY: 1.5})
     if path == "/v1/responses":
         body: dict[str, Any] = {"model": "tiny", "input": "hi", "max_output_tokens": 8, "stream": True}
     else:
         request = messages_request(8)
         body = {**request, **request.pop("extra_body"), "stream": True}
-    lines = sse_lines(server, path, body)
+        body.pop("tool_choice"), body.pop("tools")
+    lines = sse_lines(server, path, {**body, "vllm_xargs": xargs})
     assert all(line == "" or line.startswith(("event:", "data:", ": keep-alive")) for line in lines), lines
-    data = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line[5:].strip() != "[DONE]"]
-    last = data[-1]["type"]
-    assert last == ("response.completed" if path == "/v1/responses" else "message_stop")
+    data = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+    assert data[-1]["type"] == ("response.completed" if path == "/v1/responses" else "message_stop")
+    # Comments between events, while the engine was stalled between tokens.
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    last_data = max(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert any(line == ": keep-alive" for line in lines[first_data:last_data])
+    if path == "/v1/responses":
+        kinds = ("response.reasoning_text.delta", "response.output_text.delta")
+        text = "".join(d["delta"] for d in data if d["type"] in kinds)
+    else:
+        deltas = [d["delta"] for d in data if d["type"] == "content_block_delta"]
+        text = "".join(d.get("text", "") or d.get("thinking", "") for d in deltas)
+    assert text.strip() == "a b"
 
 
-def test_request_timeline_is_logged(server: Any, client: openai.OpenAI) -> None:
-    def timeline() -> list[str]:
-        return [line for line in server.log().splitlines() if "request timeline POST /v1/chat/completions" in line]
+def test_request_log_reports_http_spans(server: Any, client: openai.OpenAI) -> None:
+    def logged(request_id: str) -> list[str]:
+        return [line for line in server.log().splitlines() if f"Received request {request_id}" in line]
 
-    logged_before = len(timeline())
-    chat(client, False, max_tokens=2)
-    # The middleware writes the line when the response has ended, which can be just after the
-    # client has read it: wait (bounded) for this request's line rather than take the last one.
-    # (An earlier test's line may also land after `logged_before`; this request is the only 200.)
+    completion = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    # vLLM's own `--enable-log-requests` line carries both HTTP spans.
+    (line,) = logged(completion.id)
+    spans = re.search(r"http_receipt_to_body_end=([0-9.]+)ms body_end_to_now=([0-9.]+)ms", line)
+    assert spans is not None, line
+    # And the middleware's own line, written when the response has ended.
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        ok_lines = [line for line in timeline()[logged_before:] if " status=200 " in line]
-        if ok_lines:
-            break
+    ok_lines: list[str] = []
+    while time.monotonic() < deadline and not ok_lines:
+        ok_lines = [
+            entry
+            for entry in server.log().splitlines()
+            if "request timeline POST /v1/chat/completions status=200" in entry
+        ]
         time.sleep(0.1)
-    assert len(ok_lines) == 1, timeline()[logged_before:]
-    line = ok_lines[0]
-    assert "status=200 body=" in line and "first_byte=" in line and "total=" in line
-    assert "first_byte=-" not in line
+    assert ok_lines and "first_byte=-" not in ok_lines[-1]
+
+
+def test_stalled_request_is_logged_while_it_waits(server: Any, harness: Qwen38Harness) -> None:
+    # The engine stalls 0.8 s per step (4 steps) before this non-streamed response
+    # starts; the server's stall threshold is TOOL_PARSERS_STALL_SECONDS=1. (A request
+    # that then ends without any response is logged too: the ASGI-level test.)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "stall"}],
+        "max_tokens": 4,
+        "vllm_xargs": forced(harness, "a b c", **{SLEEP_KEY: 0.8}),
+    }
+    logged_before = len(server.log())
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200
+    log = server.log()[logged_before:]
+    assert f"POST /v1/chat/completions: no response {STALL_SECONDS} s after receipt (body read)" in log

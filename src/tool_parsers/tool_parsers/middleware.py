@@ -5,13 +5,18 @@ vLLM applies `--middleware` classes last, so they are the outermost layer of the
 the outside in:
 
 * `RequestTimelineMiddleware`: stamps HTTP receipt and the end of the request body,
-  logs both spans per request, and logs requests that get no response within a
-  stall threshold.
+  adds both spans to vLLM's own request log (`--enable-log-requests`) through a
+  logging filter, logs a timeline line per request, and logs requests that get no
+  response within a stall threshold. It also opens the per-request record
+  (`tool_parsers.request_context`) the other layers and the parsers share.
 * `SseKeepAliveMiddleware`: `--sse-keep-alive-interval N` also for streaming
   `/v1/responses` and `/v1/messages` (stock covers only chat and completions).
 * `ToolCallResponseMiddleware`: `/v1/messages` leaves out tool calls cut short
-  (max_tokens or a stop string), and a chat completion without tool calls never
-  reports `finish_reason="tool_calls"`.
+  (max_tokens or a stop string), a chat completion without tool calls never
+  reports `finish_reason="tool_calls"`, every response says what the parsers
+  dropped (`tool_call_issues`), and requests whose answer must be JSON are flagged
+  for the engine's reasoning parser (so a `<tool_call>` that ends the reasoning
+  does not reach the JSON grammar).
 
 Each layer works on ASGI messages only, so none of vLLM's classes is patched.
 """
@@ -27,7 +32,15 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from tool_parsers.qwen38 import is_truncated_call
+from tool_parsers.qwen38 import JSON_ANSWER_KWARG, is_truncated_call
+from tool_parsers.request_context import (
+    ISSUES_FIELD,
+    ISSUES_HEADER,
+    RequestRecord,
+    close_request,
+    current_request,
+    open_request,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -39,7 +52,8 @@ logger = logging.getLogger("vllm.plugins.tool_parsers.http")
 
 KEEP_ALIVE_COMMENT = b": keep-alive\n\n"
 KEEP_ALIVE_PATHS = ("/v1/responses", "/v1/messages")
-REWRITTEN_PATHS = ("/v1/messages", "/v1/chat/completions")
+REWRITTEN_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
+JSON_ANSWER_PATHS = ("/v1/chat/completions", "/v1/responses")
 # Request bodies are read for max_tokens only; a larger body is not inspected further.
 _REQUEST_BODY_LIMIT = 1 << 20
 STALL_SECONDS_ENV = "TOOL_PARSERS_STALL_SECONDS"
@@ -77,11 +91,52 @@ def _stall_seconds_from_env() -> float:
     return value
 
 
+# vLLM's request logger (`--enable-log-requests`): its lines get the HTTP spans appended.
+VLLM_REQUEST_LOGGER_MODULE = "vllm.entrypoints.serve.utils.request_logger"
+
+
+class HttpSpansLogFilter(logging.Filter):
+    """Append the current HTTP request's spans to each record of vLLM's request logger.
+
+    The request's record lives in a context variable set by `RequestTimelineMiddleware`;
+    vLLM logs `Received request …` from the request's own task, so the filter finds it.
+    Records logged outside an HTTP request are left as they are.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request = current_request()
+        if request is not None and isinstance(record.msg, str) and "http_receipt_to_body_end=" not in record.msg:
+            record.msg = f"{record.msg} ({request.spans().replace('%', '%%')})"
+        return True
+
+
+def install_request_log_filter() -> logging.Logger:
+    """Add `HttpSpansLogFilter` to vLLM's request logger once; fail loudly if vLLM moved it."""
+    import importlib
+
+    try:
+        module = importlib.import_module(VLLM_REQUEST_LOGGER_MODULE)
+    except ImportError as error:
+        raise RuntimeError(
+            f"tool_parsers middleware: vLLM's request logger module {VLLM_REQUEST_LOGGER_MODULE} is gone "
+            f"({error}); this vLLM is not 0.32 / 0.33. Use a supported vLLM or drop --middleware "
+            f"tool_parsers.middleware.Qwen38Middleware."
+        ) from None
+    target = getattr(module, "logger", None)
+    if not isinstance(target, logging.Logger):
+        raise RuntimeError(f"tool_parsers middleware: {VLLM_REQUEST_LOGGER_MODULE}.logger is not a logging.Logger")
+    if not any(isinstance(f, HttpSpansLogFilter) for f in target.filters):
+        target.addFilter(HttpSpansLogFilter())
+    return target
+
+
 class RequestTimelineMiddleware:
     """Stamp each HTTP request when it arrives and when its body has been read.
 
     Installed outermost, so the stamps are taken before any of vLLM's own layers
-    run. One log line per request reports `body` (receipt → end of body),
+    run. vLLM's request log (`--enable-log-requests`) gets both spans on its
+    `Received request` line (receipt → end of body, end of body → that line), and
+    one log line per request here reports `body` (receipt → end of body),
     `first_byte` (end of body → response start) and `total`; a request still
     without a response after the stall threshold is logged while it waits and
     again when it ends.
@@ -90,36 +145,37 @@ class RequestTimelineMiddleware:
     def __init__(self, app: ASGIApp, stall_seconds: float | None = None) -> None:
         self.app = app
         self.stall_seconds = stall_seconds if stall_seconds is not None else _stall_seconds_from_env()
+        install_request_log_filter()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        received = time.monotonic()
-        stamps: dict[str, float] = {}
+        record, token = open_request(str(scope.get("method", "")), str(scope.get("path", "")))
         status: list[int] = []
-        label = f"{scope.get('method', '')} {scope.get('path', '')}"
+        label = f"{record.method} {record.path}"
 
         async def timed_receive() -> Message:
             message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                stamps.setdefault("body_end", time.monotonic())
+            if message["type"] == "http.request" and not message.get("more_body", False) and record.body_end is None:
+                record.body_end = time.monotonic()
             return message
 
         async def timed_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                stamps.setdefault("response_start", time.monotonic())
+                if record.response_start is None:
+                    record.response_start = time.monotonic()
                 status.append(int(message.get("status", 0)))
             await send(message)
 
         async def watch_stall() -> None:
             await asyncio.sleep(self.stall_seconds)
-            if "response_start" not in stamps:
+            if record.response_start is None:
                 logger.warning(
                     "%s: no response %.0f s after receipt (body %s)",
                     label,
                     self.stall_seconds,
-                    "read" if "body_end" in stamps else "not fully read",
+                    "read" if record.body_end is not None else "not fully read",
                 )
 
         watchdog = asyncio.create_task(watch_stall())
@@ -129,16 +185,18 @@ class RequestTimelineMiddleware:
             watchdog.cancel()
             with contextlib.suppress(BaseException):
                 await watchdog
-            self._log(label, received, stamps, status)
+            self._log(label, record, status)
+            close_request(token)
 
-    def _log(self, label: str, received: float, stamps: dict[str, float], status: list[int]) -> None:
+    def _log(self, label: str, record: RequestRecord, status: list[int]) -> None:
         done = time.monotonic()
+        received = record.received
 
         def ms(start: float | None, end: float | None) -> str:
             return "-" if start is None or end is None else f"{(end - start) * 1000:.1f}ms"
 
-        body_end = stamps.get("body_end")
-        response_start = stamps.get("response_start")
+        body_end = record.body_end
+        response_start = record.response_start
         line = (
             f"{label} status={status[0] if status else '-'} body={ms(received, body_end)} "
             f"first_byte={ms(body_end, response_start)} total={ms(received, done)}"
@@ -245,36 +303,54 @@ class _KeepAliveSender:
                 await self._pump
 
 
-# ── R13 and finish_reason: tool-call responses ──────────────────────────────
+# ── R13, finish_reason, dropped calls: tool-call responses ──────────────────
 
 
-def _drop_truncated_tool_use(body: dict[str, Any]) -> list[str]:
-    """Remove tool_use blocks cut short from an Anthropic message; return their names."""
+def _stop_reason_after_drop(stop_reason: Any, output_tokens: Any, max_tokens: int | None) -> Any:
+    """An Anthropic stop_reason once the cut-short tool_use blocks are gone.
+
+    vLLM says "tool_use" for an auto call whose output max_tokens cut; without the
+    call, the message stopped at max_tokens (or, short of it, at a stop string).
+    """
+    if stop_reason != "tool_use":
+        return stop_reason
+    if isinstance(output_tokens, int) and max_tokens is not None and output_tokens >= max_tokens:
+        return "max_tokens"
+    return "end_turn"
+
+
+def _drop_truncated_tool_use(body: dict[str, Any], max_tokens: int | None = None) -> list[tuple[str, str]]:
+    """Remove tool_use blocks cut short from an Anthropic message; return their (id, name)."""
     content = body.get("content")
     if not isinstance(content, list):
         return []
     kept: list[Any] = []
-    dropped: list[str] = []
+    dropped: list[tuple[str, str]] = []
     for block in content:
         if isinstance(block, dict) and block.get("type") == "tool_use" and is_truncated_call(block.get("id")):
-            dropped.append(str(block.get("name")))
+            dropped.append((str(block.get("id")), str(block.get("name"))))
         else:
             kept.append(block)
     if dropped:
         body["content"] = kept or [{"type": "text", "text": ""}]
-        if body.get("stop_reason") == "tool_use" and not any(
-            isinstance(b, dict) and b.get("type") == "tool_use" for b in kept
-        ):
-            body["stop_reason"] = "end_turn"
+        if not any(isinstance(b, dict) and b.get("type") == "tool_use" for b in kept):
+            usage = body.get("usage")
+            output_tokens = usage.get("output_tokens") if isinstance(usage, dict) else None
+            body["stop_reason"] = _stop_reason_after_drop(body.get("stop_reason"), output_tokens, max_tokens)
     return dropped
 
 
-def _requested_max_tokens(request_body: bytes) -> int | None:
+def _json_object(raw: bytes) -> dict[str, Any] | None:
     try:
-        request = json.loads(request_body)
+        data = json.loads(raw)
     except ValueError:
         return None
-    if not isinstance(request, dict):
+    return data if isinstance(data, dict) else None
+
+
+def _requested_max_tokens(request_body: bytes) -> int | None:
+    request = _json_object(request_body)
+    if request is None:
         return None
     for key in ("max_completion_tokens", "max_tokens"):
         value = request.get(key)
@@ -312,17 +388,90 @@ def _fix_chat_finish_reason(body: dict[str, Any], max_tokens: int | None) -> lis
     return changes
 
 
-class _SseEventFilter:
-    """Hold each Anthropic tool_use block until its `content_block_stop`; drop it if it was cut short."""
+def _wants_json_answer(request: dict[str, Any], path: str) -> bool:
+    """A chat / Responses request whose answer must be JSON and that cannot call tools."""
+    if request.get("tools") and request.get("tool_choice", "auto") != "none":
+        return False
+    if path == "/v1/responses":
+        text = request.get("text")
+        fmt = text.get("format") if isinstance(text, dict) else None
+        return isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object")
+    response_format = request.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") in ("json_schema", "json_object"):
+        return True
+    structured = request.get("structured_outputs")
+    return isinstance(structured, dict) and bool(structured.get("json") or structured.get("json_object"))
 
-    def __init__(self) -> None:
+
+def _flag_json_answer(raw: bytes, path: str) -> bytes | None:
+    """The request body with the JSON-answer flag in chat_template_kwargs, or None if unchanged."""
+    request = _json_object(raw)
+    if request is None or not _wants_json_answer(request, path):
+        return None
+    kwargs = request.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        return None  # vLLM reports the malformed field itself
+    request["chat_template_kwargs"] = {**(kwargs or {}), JSON_ANSWER_KWARG: True}
+    return json.dumps(request, ensure_ascii=False).encode()
+
+
+def _issues_header(issues: list[dict[str, Any]]) -> bytes:
+    def one(issue: dict[str, Any]) -> str:
+        target = str(issue.get("name") or "-")
+        if issue.get("argument"):
+            target += f".{issue['argument']}"
+        return f"{issue.get('issue')}:{target}:{issue.get('action')}"
+
+    return "; ".join(one(i) for i in issues).encode("ascii", "backslashreplace")
+
+
+def _sse_data(raw: bytes) -> Any:
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data:"):
+            with contextlib.suppress(ValueError):
+                return json.loads(line[5:].strip())
+    return None
+
+
+def _sse_event(raw: bytes, data: dict[str, Any]) -> bytes:
+    """`raw`'s event line (if any) with new data."""
+    event = b""
+    for line in raw.split(b"\n"):
+        if line.startswith(b"event:"):
+            event = line + b"\n"
+    return event + b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _SseRewriter:
+    """Rewrite a streamed response one SSE event at a time.
+
+    * `/v1/messages`: hold each tool_use block until its `content_block_stop`, drop it
+      if it was cut short; `message_delta` carries `tool_call_issues`.
+    * `/v1/chat/completions`: a last chunk (no choices) with `tool_call_issues` goes
+      before `data: [DONE]`.
+    * `/v1/responses`: the final `response` object carries `tool_call_issues`.
+
+    Issues are added only when there are some; other events pass unchanged.
+    """
+
+    FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+    def __init__(self, path: str, record: RequestRecord | None, max_tokens: int | None = None) -> None:
+        self.path = path
+        self.record = record
+        self.max_tokens = max_tokens
         self._buffer = b""
         self._held: list[bytes] | None = None
         self._held_index: int | None = None
         self._held_id: str | None = None
         self._held_name = ""
         self._removed = 0
+        self._kept_tool_use = False
+        self._chunk_fields: dict[str, Any] = {}
         self.dropped: list[str] = []
+
+    def _issues(self) -> list[dict[str, Any]]:
+        return self.record.issues() if self.record is not None else []
 
     def feed(self, chunk: bytes) -> bytes:
         self._buffer += chunk
@@ -338,19 +487,41 @@ class _SseEventFilter:
         return rest
 
     def _event(self, raw: bytes) -> list[bytes]:
-        data = None
-        for line in raw.split(b"\n"):
-            if line.startswith(b"data:"):
-                with contextlib.suppress(ValueError):
-                    data = json.loads(line[5:].strip())
+        if self.path == "/v1/chat/completions":
+            return self._chat_event(raw)
+        data = _sse_data(raw)
         if not isinstance(data, dict):
-            return self._pass(raw)
+            return [*self._flush_held(), raw] if self.path == "/v1/messages" else [raw]
+        if self.path == "/v1/responses":
+            if data.get("type") in self.FINAL_RESPONSE_EVENTS and isinstance(data.get("response"), dict):
+                issues = self._issues()
+                if issues:
+                    data["response"][ISSUES_FIELD] = issues
+                    return [_sse_event(raw, data)]
+            return [raw]
+        return self._message_event(raw, data)
+
+    def _chat_event(self, raw: bytes) -> list[bytes]:
+        if raw.strip() == b"data: [DONE]":
+            issues = self._issues()
+            if issues:
+                last = {**self._chunk_fields, "choices": [], ISSUES_FIELD: issues}
+                return [b"data: " + json.dumps(last, ensure_ascii=False).encode() + b"\n\n", raw]
+            return [raw]
+        if not self._chunk_fields:
+            data = _sse_data(raw)
+            if isinstance(data, dict) and "id" in data:
+                keys = ("id", "object", "created", "model")
+                self._chunk_fields = {key: data[key] for key in keys if key in data}
+        return [raw]
+
+    def _message_event(self, raw: bytes, data: dict[str, Any]) -> list[bytes]:
         kind = data.get("type")
         index = data.get("index")
         if kind == "content_block_start":
             block = data.get("content_block") or {}
             if block.get("type") == "tool_use":
-                released = self.flush_held()
+                released = self._flush_held()
                 self._held, self._held_index = [], index
                 self._held_id, self._held_name = block.get("id"), str(block.get("name"))
                 return [*released, *self._hold(raw, data)]
@@ -361,12 +532,30 @@ class _SseEventFilter:
                 if is_truncated_call(self._held_id):
                     self._removed += 1
                     self.dropped.append(self._held_name)
+                    if self.record is not None and self._held_id:
+                        self.record.mark_dropped(self._held_id)
                     return []
+                self._kept_tool_use = True
                 return held
             return self._hold(raw, data)
-        return [*self.flush_held(), *self._pass(raw, data)]
+        if kind == "message_delta":
+            changed = False
+            delta = data.get("delta")
+            if self._removed and isinstance(delta, dict) and not self._kept_tool_use:
+                usage = data.get("usage")
+                output_tokens = usage.get("output_tokens") if isinstance(usage, dict) else None
+                stop_reason = _stop_reason_after_drop(delta.get("stop_reason"), output_tokens, self.max_tokens)
+                changed = stop_reason != delta.get("stop_reason")
+                delta["stop_reason"] = stop_reason
+            issues = self._issues()
+            if issues:
+                data[ISSUES_FIELD] = issues
+                changed = True
+            if changed:
+                return [*self._flush_held(), _sse_event(raw, data)]
+        return [*self._flush_held(), self._renumber(raw, data)]
 
-    def flush_held(self) -> list[bytes]:
+    def _flush_held(self) -> list[bytes]:
         held, self._held = self._held or [], None
         return held
 
@@ -375,23 +564,16 @@ class _SseEventFilter:
         self._held.append(self._renumber(raw, data))
         return []
 
-    def _pass(self, raw: bytes, data: dict[str, Any] | None = None) -> list[bytes]:
-        return [self._renumber(raw, data) if data is not None else raw]
-
     def _renumber(self, raw: bytes, data: dict[str, Any]) -> bytes:
         # Blocks after a dropped one move down, so indices stay contiguous for the client.
         if not self._removed or not isinstance(data.get("index"), int):
             return raw
         data["index"] -= self._removed
-        event = b""
-        for line in raw.split(b"\n"):
-            if line.startswith(b"event:"):
-                event = line + b"\n"
-        return event + b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+        return _sse_event(raw, data)
 
 
 class ToolCallResponseMiddleware:
-    """Post-process tool-call responses of `/v1/messages` and `/v1/chat/completions`."""
+    """Rewrite tool-call responses of `/v1/messages`, `/v1/chat/completions` and `/v1/responses`."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -401,7 +583,7 @@ class ToolCallResponseMiddleware:
         if scope["type"] != "http" or scope.get("method") != "POST" or path not in REWRITTEN_PATHS:
             await self.app(scope, receive, send)
             return
-        await _ResponseRewriter(path, send).run(self.app, scope, receive)
+        await _ResponseRewriter(str(path), send).run(self.app, scope, receive)
 
 
 class _ResponseRewriter:
@@ -409,19 +591,37 @@ class _ResponseRewriter:
         self.path = path
         self._send = send
         self._start: Message | None = None
-        self._mode = "pass"  # "json" buffers the body, "sse" filters events
+        self._mode = "pass"  # "json" buffers the body, "sse" rewrites events
         self._body: list[bytes] = []
-        self._filter = _SseEventFilter()
+        self._record = current_request()
+        self._sse = _SseRewriter(path, self._record)
         self._request_body = b""
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
-        async def recording_receive() -> Message:
+        # Read the whole request body first (vLLM reads it whole anyway), so a JSON-answer
+        # request can be flagged before vLLM builds its parsers and the engine request.
+        first: list[Message] = []
+        while True:
             message = await receive()
-            if message["type"] == "http.request" and len(self._request_body) < _REQUEST_BODY_LIMIT:
+            first.append(message)
+            if message["type"] != "http.request":
+                break
+            if len(self._request_body) < _REQUEST_BODY_LIMIT:
                 self._request_body += bytes(message.get("body", b""))
-            return message
+            if not message.get("more_body", False):
+                break
+        self._sse.max_tokens = _requested_max_tokens(self._request_body)
+        if self.path in JSON_ANSWER_PATHS and first[-1]["type"] == "http.request":
+            flagged = _flag_json_answer(self._request_body, self.path)
+            if flagged is not None:
+                first = [{"type": "http.request", "body": flagged, "more_body": False}]
+                headers = [(k, v) for k, v in scope.get("headers", []) if bytes(k).lower() != b"content-length"]
+                scope = {**scope, "headers": [*headers, (b"content-length", str(len(flagged)).encode())]}
 
-        await app(scope, recording_receive, self.send)
+        async def replay_receive() -> Message:
+            return first.pop(0) if first else await receive()
+
+        await app(scope, replay_receive, self.send)
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -430,7 +630,7 @@ class _ResponseRewriter:
                 self._mode = "json"
                 self._start = message
                 return
-            if self.path == "/v1/messages" and content_type.startswith("text/event-stream"):
+            if content_type.startswith("text/event-stream"):
                 self._mode = "sse"
             await self._send(message)
             return
@@ -439,11 +639,11 @@ class _ResponseRewriter:
             return
         more = bool(message.get("more_body", False))
         if self._mode == "sse":
-            body = self._filter.feed(bytes(message.get("body", b"")))
+            body = self._sse.feed(bytes(message.get("body", b"")))
             if not more:
-                body += self._filter.flush()
-                if self._filter.dropped:
-                    logger.warning("/v1/messages: left out tool calls cut short: %s", ", ".join(self._filter.dropped))
+                body += self._sse.flush()
+                if self._sse.dropped:
+                    logger.warning("/v1/messages: left out tool calls cut short: %s", ", ".join(self._sse.dropped))
             if body or not more:
                 await self._send({"type": "http.response.body", "body": body, "more_body": more})
             return
@@ -455,26 +655,34 @@ class _ResponseRewriter:
     async def _send_json(self, raw: bytes) -> None:
         assert self._start is not None
         body = raw
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            data = None
-        if isinstance(data, dict):
+        data = _json_object(raw)
+        issues: list[dict[str, Any]] = []
+        if data is not None:
             changed = False
             if self.path == "/v1/messages":
-                dropped = _drop_truncated_tool_use(data)
+                dropped = _drop_truncated_tool_use(data, _requested_max_tokens(self._request_body))
                 if dropped:
                     changed = True
-                    logger.warning("/v1/messages: left out tool calls cut short: %s", ", ".join(dropped))
-            else:
+                    for call_id, _ in dropped:
+                        if self._record is not None:
+                            self._record.mark_dropped(call_id)
+                    names = ", ".join(name for _, name in dropped)
+                    logger.warning("/v1/messages: left out tool calls cut short: %s", names)
+            elif self.path == "/v1/chat/completions":
                 fixes = _fix_chat_finish_reason(data, _requested_max_tokens(self._request_body))
                 if fixes:
                     changed = True
                     logger.warning("chat completion finish_reason corrected: %s", "; ".join(fixes))
+            issues = self._record.issues() if self._record is not None else []
+            if issues:
+                data[ISSUES_FIELD] = issues
+                changed = True
             if changed:
                 body = json.dumps(data, ensure_ascii=False).encode()
         headers = [(k, v) for k, v in self._start.get("headers", []) if bytes(k).lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
+        if issues:
+            headers.append((ISSUES_HEADER, _issues_header(issues)))
         await self._send({**self._start, "headers": headers})
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 

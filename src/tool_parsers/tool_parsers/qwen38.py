@@ -393,6 +393,10 @@ def _matches_types(value: Any, types: Sequence[str]) -> bool:
 _TRAILING_KEY = re.compile(r'(?:,\s*)?"(?:[^"\\]|\\.)*"\s*:\s*$')
 
 
+def kept_text(events: list[SemanticEvent]) -> bool:
+    return any(event.type is EventType.TEXT_CHUNK and event.value.strip() for event in events)
+
+
 class Qwen38Parser(Qwen3Parser):
     """Stock Qwen3 parser engine with the fixes listed in the module docstring."""
 
@@ -413,6 +417,9 @@ class Qwen38Parser(Qwen3Parser):
         # Set by the middleware for JSON answers (see JSON_ANSWER_KWARG); read in the engine core.
         self._json_answer_flag = bool(chat_kwargs.get(JSON_ANSWER_KWARG))
         self.tool_call_issues: list[dict[str, Any]] = []
+        # Issues go to the HTTP request only from a parser serving it (stock also builds
+        # request-less copies, e.g. to count reasoning tokens, which know no tools).
+        self._serving_request = False
         self._request_tools: object = tools
         self._markup_passthrough = False
         self._call_forced = False
@@ -531,12 +538,53 @@ class Qwen38Parser(Qwen3Parser):
     def _publish_issues(self) -> None:
         self._remember_truncated_calls()
         self.tool_call_issues = self._collect_issues()
-        report_issues(self.tool_call_issues)
+        if self._serving_request and not self.skip_tool_parsing:
+            report_issues(self.tool_call_issues)
+
+    def _drop_blank_between_calls(self, events: list[SemanticEvent]) -> list[SemanticEvent]:
+        """Leave out whitespace-only text between one call and the next (held or in `events`).
+
+        Whitespace after a call stays held until what follows decides: text keeps it
+        (in front of the text), another call or the end of the output drops it. Both
+        parse paths see the same events, so streamed and non-streamed agree; and the
+        Responses API does not open a message item for it between two calls.
+        """
+        after_call = bool(self._tool_slots)
+        kept: list[SemanticEvent] = []
+        pending: list[SemanticEvent] = []
+        for event in events:
+            if event.type is EventType.TEXT_CHUNK and not event.value.strip():
+                if after_call:
+                    pending.append(event)
+                    continue
+            elif event.type is EventType.TEXT_CHUNK:
+                kept.extend(pending)
+                pending = []
+                after_call = False
+            elif event.type is EventType.TOOL_CALL_START:
+                if after_call:
+                    pending = []
+                    if self._deferred_content and not self._deferred_content.strip() and not kept_text(kept):
+                        self._deferred_content = ""
+                after_call = True
+            elif event.type in _TOOL_EVENT_TYPES:
+                after_call = True
+            kept.append(event)
+        kept.extend(pending)
+        return kept
+
+    def _drop_trailing_blank(self) -> None:
+        # Whitespace after the last call, with no text after it, is not content: streaming
+        # holds it until it knows, and the non-streamed parse drops it the same way.
+        # (Responses would otherwise open a message item for it after the calls.)
+        if self._tool_slots and self._deferred_content and not self._deferred_content.strip():
+            self._deferred_content = ""
 
     # Request-dependent modes
 
     def _check_skip_tool_parsing(self, request: Any) -> None:
         super()._check_skip_tool_parsing(request)
+        self._serving_request = True
         # The base class stores the request's tools as they are; keep the resolved copy.
         tools = getattr(request, "tools", None)
         if tools and tools is not self._request_tools:
@@ -563,6 +611,9 @@ class Qwen38Parser(Qwen3Parser):
         # in front of that text, not behind it.
         if not events and not finished:
             return None
+        events = self._drop_blank_between_calls(events)
+        if finished and all(event.type is not EventType.TEXT_CHUNK or not event.value.strip() for event in events):
+            self._drop_trailing_blank()
         if (
             not finished
             and self._tool_slots
@@ -649,6 +700,7 @@ class Qwen38Parser(Qwen3Parser):
         self, text: str, token_ids: Sequence[int], initial_state: ParserState | None = None
     ) -> tuple[str | None, str | None, ExtractedToolCallInformation]:
         reasoning, content, info = super()._single_pass_parse(text, token_ids, initial_state)
+        self._drop_trailing_blank()
         # Text the engine deferred behind a tool call (e.g. the newline between two calls after
         # earlier prose) is sent by the streaming path when the stream finishes; without this
         # the non-streamed content would silently lose it.
@@ -695,6 +747,7 @@ class Qwen38Parser(Qwen3Parser):
             text = self._drop_leading_marker("", final=True)
             return DeltaMessage(content=text) if text else None
         delta = super().finish_streaming()
+        self._drop_trailing_blank()
         # Stock keeps text deferred behind a call when the final delta also carries tool
         # deltas, and nothing sends it afterwards; send it now, as non-streaming keeps it.
         if self._deferred_content:

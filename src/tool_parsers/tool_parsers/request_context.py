@@ -33,21 +33,25 @@ class RequestRecord:
     body_end: float | None = None
     response_start: float | None = None
     _issues: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)
+    _call_ids: dict[tuple[Any, ...], set[str]] = field(default_factory=dict)
 
     def add_issues(self, issues: list[dict[str, Any]]) -> None:
-        # Parsers may report the same output twice (a request's stream and its final
-        # re-parse); an issue is the same issue when these fields agree.
+        # vLLM may parse one output more than once (a second parser instance, a final
+        # re-parse of a stream), each time with new call ids: an issue is the same issue
+        # when these fields agree. The ids are kept only to find the issue again.
         for issue in issues:
-            key = tuple(issue.get(k) for k in ("issue", "index", "id", "name", "argument"))
-            self._issues.setdefault(key, dict(issue))
+            key = tuple(issue.get(k) for k in ("issue", "index", "name", "argument"))
+            self._issues.setdefault(key, {k: v for k, v in issue.items() if k != "id"})
+            if issue.get("id"):
+                self._call_ids.setdefault(key, set()).add(str(issue["id"]))
 
     def issues(self) -> list[dict[str, Any]]:
-        return list(self._issues.values())
+        return [dict(issue) for issue in self._issues.values()]
 
     def mark_dropped(self, call_id: str) -> None:
         """The response layer left out the call with this id (a call cut short)."""
-        for issue in self._issues.values():
-            if issue.get("id") == call_id:
+        for key, issue in self._issues.items():
+            if call_id in self._call_ids.get(key, ()) and issue.get("issue") == "cut_short":
                 issue["action"] = "dropped_call"
 
     def spans(self, now: float | None = None) -> str:
