@@ -231,3 +231,56 @@ def test_keep_alive_says_so_when_vllm_moves_its_arguments(caplog: pytest.LogCapt
     app = SseKeepAliveMiddleware(sse_app([b"data: a\n\n"]))
     assert body_of(run_app(app, "/v1/messages", SimpleNamespace())) == b"data: a\n\n"
     assert any("app.state.args.sse_keep_alive_interval not found" in r.getMessage() for r in caplog.records)
+
+
+def test_json_answer_requests_are_flagged_for_the_engine() -> None:
+    """The flag reaches vLLM in the request body (chat_template_kwargs), with a matching content-length."""
+    seen: list[tuple[bytes, dict[bytes, bytes]]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        seen.append((message["body"], dict(scope["headers"])))
+        await json_app({})(scope, lambda: _done(), send)
+
+    async def _done() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    from tool_parsers.qwen38 import JSON_ANSWER_KWARG
+
+    json_answer = {"response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": True}}
+    with_tools = {**json_answer, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    responses = {"text": {"format": {"type": "json_schema", "name": "a", "schema": {}}}}
+    for path, request, flagged in [
+        ("/v1/chat/completions", json_answer, True),
+        ("/v1/chat/completions", with_tools, False),
+        ("/v1/chat/completions", {**with_tools, "tool_choice": "none"}, True),
+        ("/v1/responses", responses, True),
+        ("/v1/chat/completions", {"messages": []}, False),
+    ]:
+        seen.clear()
+        run_app(ToolCallResponseMiddleware(app), path, body=json.dumps(request).encode())
+        body, headers = seen[0]
+        kwargs = json.loads(body).get("chat_template_kwargs") or {}
+        assert kwargs.get(JSON_ANSWER_KWARG, False) is flagged, (path, request)
+        if flagged:
+            assert kwargs.get("enable_thinking", True) is True
+            assert int(headers[b"content-length"]) == len(body)
+
+
+def test_request_log_filter_adds_the_http_spans(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's request logger gets the spans of the request whose handler logs."""
+    target = logging.getLogger("vllm.entrypoints.serve.utils.request_logger")
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        target.info("Received request %s: params: %s", "chatcmpl-1", "x")
+        await json_app({})(scope, receive, send)
+
+    caplog.set_level(logging.INFO, logger=target.name)
+    run_app(RequestTimelineMiddleware(app, stall_seconds=30), "/v1/chat/completions")
+    target.info("Received request %s outside HTTP", "other")
+    lines = [r.getMessage() for r in caplog.records if r.name == target.name]
+    assert len(lines) == 2
+    assert lines[0].startswith("Received request chatcmpl-1: params: x (http_receipt_to_body_end=")
+    assert "body_end_to_now=" in lines[0] and "=-" not in lines[0]
+    assert lines[1] == "Received request other outside HTTP"
