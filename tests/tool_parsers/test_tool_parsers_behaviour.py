@@ -189,6 +189,18 @@ def test_call_cut_short_keeps_its_arguments_and_is_remembered(harness: Qwen38Har
     assert [is_truncated_call(call.id) for call in calls] == [False, True]
 
 
+def test_call_cut_inside_its_function_name_is_reported_dropped(harness: Qwen38Harness) -> None:
+    text = "Sure. " + WEATHER
+    ids = harness.encode(text)
+    ids = ids[: len(harness.encode(text[: text.index("_weather")]))]
+    full, streamed = harness.parse_both(ids, {"tool_choice": "auto"}, thinking=False)
+    assert full.calls == streamed.calls == []
+    assert full.issues == streamed.issues
+    ((issue),) = full.issues
+    assert (issue["issue"], issue["action"], issue["index"]) == ("cut_short", "dropped_call", 0)
+    assert "get_weather".startswith(issue["name"] or "")
+
+
 # $ref parameters
 
 

@@ -506,7 +506,11 @@ class Qwen38Parser(Qwen3Parser):
             if not name and raw.strip():
                 name, _ = self._extract_name_and_args(raw)
             if not self._accept_tool_name(name):
-                if name:
+                if index in truncated:
+                    # The output ended before the call had (all of) its function name.
+                    cut = {"issue": "cut_short", "action": "dropped_call", "index": index, "name": name or None}
+                    issues.append(cut)
+                elif name:
                     issues.append({"issue": "unknown_function", "action": "dropped_call", "index": index, "name": name})
                 else:
                     detail = "a <tool_call> without <function=NAME>"
