@@ -83,9 +83,10 @@ def layer_inputs(
 # -- everywhere -------------------------------------------------------------------------------
 
 
-def test_cpu_tensors_take_the_plain_torch_path() -> None:
+def test_cpu_tensors_take_the_plain_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     args = layer_inputs(2, 5, 2, 6, 16, 16, torch.float32, "cpu", seed=0)
-    auto = gdn.gated_delta_net(**args, kernels="auto")
+    monkeypatch.delenv(gdn.KERNELS_ENV, raising=False)
+    auto = gdn.gated_delta_net(**args)
     reference = gdn.gated_delta_net(**args, kernels="torch")
     for a, b in zip(auto, reference, strict=True):
         assert torch.equal(a, b)
@@ -93,6 +94,9 @@ def test_cpu_tensors_take_the_plain_torch_path() -> None:
         gdn.gated_delta_net(**args, kernels="fla")
     with pytest.raises(ValueError, match="kernels='triton'; use one of auto, torch, fla"):
         gdn.gated_delta_net(**args, kernels="triton")
+    monkeypatch.setenv(gdn.KERNELS_ENV, "cuda")
+    with pytest.raises(ValueError, match="QWEN38_GDN_KERNELS='cuda': use one of auto, torch, fla"):
+        gdn.gated_delta_net(**args)
 
 
 # -- CUDA -------------------------------------------------------------------------------------
