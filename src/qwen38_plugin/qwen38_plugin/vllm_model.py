@@ -6,9 +6,10 @@ vLLM's hybrid cache manager owns every state:
   and the n-gram context (int64) of that layer. The slot uses vLLM's GDN metadata (state
   index per request, whether it continues from a state), so chunked prefill, prefix caching
   (state copies in "align" mode) and preemption are vLLM's own;
-- each `indexed_attention` layer has a paged KV cache; per token it holds K, V and, in extra
-  "heads", the QSA indexer's raw key. Our small attention backend only turns vLLM's common
-  metadata into block tables and lengths; the attention itself is `ops.qsa`.
+- each `indexed_attention` layer has a paged K/V cache, a paged cache of one compressed QSA
+  indexer key per complete group and a per-request ring of the open group's raw indexer keys
+  (`vllm_qsa_cache`). Our small attention backend only turns vLLM's common metadata into block
+  tables and lengths; the attention itself is `ops.qsa`.
 
 This module imports vLLM; it is loaded only when vLLM builds the model.
 """

@@ -15,10 +15,12 @@ A step reads K/V, the complete groups' keys and the open group; it writes K/V, t
 groups it closes (each computed once) and its raw keys into the ring.
 
 The ring must divide the attention block size (vLLM's scheduler block size is the LCM of the
-groups' block sizes): `qwen38_plugin.ops.qsa.ring_capacity` (rule R38) widens it by whole groups
-up to 4x for an explicit ``--block-size``, or fails naming the multiple to use. Without an
-explicit block size, the block size is made a multiple of the ring before vLLM aligns it to the
-mamba state pages (which only multiplies it).
+groups' block sizes). At model construction, before any weight is loaded:
+`qwen38_plugin.ops.qsa.ring_capacity` (rule R38) widens the ring by whole groups up to 4x until it
+divides an explicit ``--block-size`` (logged), or fails naming the block-size multiple to use;
+without an explicit block size, the platform default (128 on CPU) is rounded up to a multiple of
+the ring. vLLM then fits the block size to the mamba state pages by multiplying it, so the ring
+still divides it.
 
 A minimal attention backend only turns vLLM's common metadata into block tables and lengths;
 the attention itself is `qwen38_plugin.ops.qsa`. Nothing here assumes one tensor-parallel rank:
@@ -88,7 +90,7 @@ def prepare_block_size(cache_config: CacheConfig, base_capacity: int) -> None:
 
 
 def resolve_ring_capacity(vllm_config: VllmConfig, ratio: int) -> int:
-    """The ring capacity for the final attention block size (rule R38); logs a widening."""
+    """The ring capacity for the block size (rule R38); logs a widening."""
     spec_tokens = vllm_config.num_speculative_tokens
     block_size = vllm_config.cache_config.block_size
     base = qsa.ring_base_capacity(ratio, spec_tokens)
@@ -207,14 +209,19 @@ class _CacheLayer(nn.Module, AttentionLayerBase):
 class QSAKeyRing(_CacheLayer):
     """The raw indexer keys of each request's open group: row ``p % capacity`` of its one block."""
 
-    def __init__(self, vllm_config: VllmConfig, prefix: str, index_dim: int, ratio: int) -> None:
+    def __init__(self, vllm_config: VllmConfig, prefix: str, index_dim: int, capacity: int) -> None:
         super().__init__(vllm_config, prefix)
-        self.index_dim, self.ratio = index_dim, ratio
+        self.index_dim, self.capacity = index_dim, capacity
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        capacity = resolve_ring_capacity(vllm_config, self.ratio)
+        block_size = vllm_config.cache_config.block_size
+        if block_size % self.capacity:
+            raise qsa.RingCapacityError(
+                f"QSA key ring: the attention block size became {block_size}, which the {self.capacity}-token ring "
+                f"does not divide; use a --block-size that is a multiple of {self.capacity}"
+            )
         return CircularBufferSpec(
-            block_size=capacity, num_kv_heads=1, head_size=self.index_dim, head_size_v=0, dtype=self.dtype,
+            block_size=self.capacity, num_kv_heads=1, head_size=self.index_dim, head_size_v=0, dtype=self.dtype,
             dcp_sharded=False,
         )  # fmt: skip
 
@@ -282,8 +289,11 @@ class QSAKVCache(_CacheLayer):
             prepare_block_size(
                 vllm_config.cache_config, qsa.ring_base_capacity(ratio, vllm_config.num_speculative_tokens)
             )
+            # Rule R38 at construction, before any weight is loaded: vLLM later only multiplies the
+            # block size (to fit the mamba state pages), which a ring dividing it still divides.
+            capacity = resolve_ring_capacity(vllm_config, ratio)
             self.block_keys = QSABlockKeyCache(vllm_config, f"{prefix}.block_keys", config.indexer_head_dim, ratio)
-            self.ring = QSAKeyRing(vllm_config, f"{prefix}.key_ring", config.indexer_head_dim, ratio)
+            self.ring = QSAKeyRing(vllm_config, f"{prefix}.key_ring", config.indexer_head_dim, capacity)
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         return FullAttentionSpec(

@@ -1,0 +1,241 @@
+"""The QSA key ring and the block-size rule R38 (ReVolta 0.1.2).
+
+- the rule as a pure function: the ring (the open group plus the speculative rows, in whole
+  groups) widens by whole groups up to 4x until it divides the block size, else names the
+  block-size multiple to use;
+- the vLLM cache layers (`vllm_qsa_cache`) over caches shaped from their own vLLM specs, with a
+  widened ring, serve transformers' greedy tokens for concurrent chunked prompts;
+- real engine starts: a compress ratio that does not divide the CPU's default block size gets a
+  block size that works (and serves transformers' tokens); an explicit block size no ring
+  divides fails at startup with the rule's message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from qwen38_plugin.model import DictStateStore, SequenceCache
+from qwen38_plugin.ops import qsa
+from tests.qwen38_plugin.test_qwen38_model import _load_core
+from tests.qwen38_plugin.test_qwen38_vllm_engine import STEPS, mixed_prompts, reference_greedy
+
+HERE = Path(__file__).resolve().parent
+
+# --------------------------------------------------------------------------------------------
+# The rule
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ratio", "spec_tokens", "block_size", "capacity"),
+    [
+        (4, 0, 128, 4),  # the base ring: the ratio itself without speculative tokens
+        (4, 1, 64, 8),  # one draft row: two groups, divides as is
+        (4, 1, 60, 12),  # 8 does not divide 60: one more group
+        (4, 1, 100, 20),  # 8, 12, 16 do not divide 100: 20 (2.5x)
+        (3, 2, 45, 9),  # 6 does not divide 45: 9
+        (2, 1, 14, 14),  # 4 .. 12 do not divide 14: 14 (3.5x)
+        (4, 5, 96, 12),  # five draft rows: three groups
+        (2, 3, 16, 8),  # base 6 does not divide 16: 8
+    ],
+)
+def test_ring_widens_by_whole_groups_until_it_divides(
+    ratio: int, spec_tokens: int, block_size: int, capacity: int
+) -> None:
+    base = qsa.ring_base_capacity(ratio, spec_tokens)
+    assert base % ratio == 0 and base >= ratio + spec_tokens
+    got = qsa.ring_capacity(ratio, spec_tokens, block_size)
+    assert got == capacity
+    assert block_size % got == 0 and got % ratio == 0 and base <= got <= 4 * base
+    # it is the smallest such ring
+    assert all(block_size % c for c in range(base, got, ratio))
+
+
+@pytest.mark.parametrize(
+    ("ratio", "spec_tokens", "block_size", "multiple"),
+    [
+        (4, 0, 250, 4),  # not a multiple of the ratio: no ring of whole groups divides it
+        (4, 1, 44, 8),  # 44 = 4 * 11: the ring would have to grow to 44 tokens (5.5x)
+        (2, 1, 22, 4),  # 22 = 2 * 11: 22 would be 5.5x the base ring of 4
+        (3, 0, 128, 3),  # the CPU default block size and a ratio of 3
+    ],
+)
+def test_ring_beyond_four_times_fails_naming_the_block_multiple(
+    ratio: int, spec_tokens: int, block_size: int, multiple: int
+) -> None:
+    with pytest.raises(qsa.RingCapacityError) as err:
+        qsa.ring_capacity(ratio, spec_tokens, block_size)
+    message = str(err.value)
+    assert f"attention block size {block_size}" in message
+    assert f"use a --block-size that is a multiple of {multiple}" in message
+    # the advice works: that multiple takes the base ring as is
+    assert qsa.ring_capacity(ratio, spec_tokens, multiple * 5) == qsa.ring_base_capacity(ratio, spec_tokens)
+
+
+def test_default_block_size_is_a_multiple_of_the_ring() -> None:
+    from qwen38_plugin.vllm_qsa_cache import default_block_size
+
+    assert default_block_size(128, 4) == 128
+    assert default_block_size(128, 3) == 384
+    assert default_block_size(128, 12) == 384
+
+
+# --------------------------------------------------------------------------------------------
+# The vLLM cache layers with a widened ring, against transformers
+# --------------------------------------------------------------------------------------------
+
+
+class PagedQSAStore(DictStateStore):
+    """Recurrent states as the reference store; every QSA layer through `QSAKVCache` (K/V, block
+    keys and ring) over caches allocated from the layers' own vLLM specs, with per-request block
+    tables and per-step metadata built the way vLLM's scheduler would."""
+
+    def __init__(self, core: Any, num_seqs: int, vllm_config: Any, blocks_per_seq: int) -> None:
+        from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
+
+        from qwen38_plugin.vllm_qsa_cache import QSAKVCache
+
+        super().__init__(core, [SequenceCache() for _ in range(num_seqs)])
+        cfg = core.config
+        self.layers = {
+            i: QSAKVCache(vllm_config, f"model.layers.{i}.self_attn.kv", cfg.num_key_value_heads)
+            for i, kind in enumerate(cfg.layer_types)
+            if kind == "indexed_attention"
+        }
+        num_blocks = 1 + num_seqs * blocks_per_seq
+        self.block_tables: dict[str, torch.Tensor] = {}
+        self.specs: dict[str, Any] = {}
+        for layer in self.layers.values():
+            for cache in (layer, layer.block_keys, layer.ring):
+                assert cache is not None
+                spec = cache.get_kv_cache_spec(vllm_config)
+                shape = compute_layer_kv_cache_shape_bytes(spec, num_blocks)
+                # NaN everywhere: reading a row nobody wrote would poison the logits
+                raw = torch.full((*shape[:3], shape[3] // 4), float("nan"))
+                cache.bind_kv_cache(raw)
+                self.specs[cache.prefix] = spec
+                # scattered blocks, in reverse order; block 0 is vLLM's null block
+                rows = 1 if cache is layer.ring else blocks_per_seq
+                ids = torch.arange(num_blocks - 1, 0, -1)[: num_seqs * rows]
+                self.block_tables[cache.prefix] = ids.view(num_seqs, rows)
+        self.lengths = [0] * num_seqs
+        self.metadata: dict[str, Any] = {}
+
+    def begin_step(self, query_lens: list[int]) -> None:
+        from qwen38_plugin.vllm_qsa_cache import QSAMetadata
+
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        seq_lens = [p + n for p, n in zip(self.lengths, query_lens, strict=True)]
+        for name, table in self.block_tables.items():
+            slots = None
+            if name.endswith(".kv"):  # the K/V layer writes through vLLM's slot mapping
+                size = self.specs[name].block_size
+                slots = torch.cat([
+                    table[s, torch.arange(p, e) // size] * size + torch.arange(p, e) % size
+                    for s, (p, e) in enumerate(zip(self.lengths, seq_lens, strict=True))
+                ])  # fmt: skip
+            self.metadata[name] = QSAMetadata(starts, seq_lens, table, slots, starts[-1])
+        self.lengths = seq_lens
+
+    def kv(self, layer: int, seq: int) -> Any:
+        return self.layers[layer].past(self.metadata, seq)
+
+    def append_kv(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, indexer: Any) -> None:
+        self.layers[layer].append(self.metadata, seq, k, v, indexer)
+
+
+def _fake_vllm_config(path: Path, block_size: int, spec_tokens: int) -> Any:
+    # Only the fields our cache layers read (not vLLM's engine: no engine runs here).
+    config = AutoConfig.from_pretrained(path)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=config, dtype=torch.float32),
+        cache_config=SimpleNamespace(block_size=block_size, user_specified_block_size=True),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+        num_speculative_tokens=spec_tokens,
+    )
+
+
+def test_widened_ring_in_the_vllm_cache_layers_serves_transformers_tokens(
+    tiny_checkpoint: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tiny_checkpoint("qwen4_exp_text", dtype="float32")
+    core = _load_core(path, torch.float32)
+    prompts = mixed_prompts(3)
+    # ratio 4 with one speculative row: base ring 8, which does not divide the block size 60
+    vllm_config = _fake_vllm_config(path, block_size=60, spec_tokens=1)
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.qwen38_plugin"):
+        store = PagedQSAStore(core, len(prompts), vllm_config, blocks_per_seq=3)
+    assert "QSA key ring widened from 8 to 12 tokens (whole 4-token groups)" in caplog.text
+    ring_spec = next(spec for name, spec in store.specs.items() if name.endswith("key_ring"))
+    assert ring_spec.block_size == 12
+    out: list[list[int]] = [[] for _ in prompts]
+    pending = [list(p) for p in prompts]
+    chunk = 7  # prefill chunks that end inside groups and cross ring turns
+    with torch.no_grad():
+        while any(len(o) < STEPS for o in out):
+            ids, positions, lens = [], [], []
+            for s, todo in enumerate(pending):
+                take = todo[:chunk] if todo else [out[s][-1]]
+                ids += take
+                positions += list(range(store.lengths[s], store.lengths[s] + len(take)))
+                lens.append(len(take))
+                pending[s] = todo[len(take) :] if todo else []
+            store.begin_step(lens)
+            hidden = core.forward_step(torch.tensor(ids), torch.tensor(positions), lens, store)
+            last = torch.tensor(lens).cumsum(0) - 1
+            for s, token in enumerate(core.logits(hidden[last]).argmax(-1).tolist()):
+                if not pending[s] and len(out[s]) < STEPS and store.lengths[s] >= len(prompts[s]):
+                    out[s].append(token)
+    assert out == reference_greedy(path, prompts, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Real engine starts
+# --------------------------------------------------------------------------------------------
+
+
+def _engine(model: Path, prompts: list[list[int]], **llm_kwargs: Any) -> tuple[int, list[list[int]] | None, str]:
+    """(exit status, greedy tokens or None, the whole log) of an engine run in a subprocess."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    args = [str(model), "float32", str(STEPS), json.dumps(prompts), json.dumps(llm_kwargs)]
+    cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
+    tokens = json.loads(lines[-1])["tokens"] if lines else None
+    return proc.returncode, tokens, proc.stdout + proc.stderr
+
+
+def test_engine_picks_a_block_size_the_ring_divides(tiny_checkpoint: Callable[..., Path]) -> None:
+    # A compress ratio of 3 does not divide the CPU platform's default block size (128): without
+    # an explicit --block-size the plugin rounds the default up to 384 before vLLM fits it to the
+    # mamba state pages. Prefix caching is on (the engine default), the prompts are chunked.
+    model = tiny_checkpoint(
+        "qwen4_exp_text", dtype="float32", overrides={"indexer_budget": 12, "indexer_compress_ratio": 3}
+    )
+    prompts = mixed_prompts(4)
+    status, served, log = _engine(model, prompts, max_num_batched_tokens=32, max_num_seqs=8)
+    assert status == 0, log[-5000:]
+    assert "KV cache block size 384 (the default 128 rounded up to a multiple of the 3-token QSA key ring)" in log
+    assert "kv cache group sizes (384, 384, 384, 384, 384, 3)" in log
+    assert served == reference_greedy(model, prompts, torch.float32)
+
+
+def test_engine_refuses_a_block_size_no_ring_divides(tiny_checkpoint: Callable[..., Path]) -> None:
+    # ratio 4: 250 is not a multiple of it, so no ring of whole groups divides it
+    status, served, log = _engine(tiny_checkpoint("qwen4_exp_text", dtype="float32"), [[1, 2, 3]], block_size=250)
+    assert status != 0 and served is None
+    assert "divides the attention block size 250; use a --block-size that is a multiple of 4" in log, log[-3000:]
