@@ -164,7 +164,7 @@ def test_tensor_parallel_geometry_is_checked() -> None:
     flash_next = SimpleNamespace(
         num_attention_heads=24, num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=48,
         num_experts=512, moe_intermediate_size=512, shared_expert_intermediate_size=512, ple_layer_ids=[1],
-        make_ngram_vocab_size_divisible_by=128,
+        make_ngram_vocab_size_divisible_by=128, vocab_size=248320,
     )  # fmt: skip
     for tp in (1, 2, 4, 8):
         check_tensor_parallel(flash_next, tp)

@@ -36,7 +36,7 @@ STEPS = 32
 
 
 class ThreadGroup:
-    """An all-reduce (sum) between ranks that run in threads of this process."""
+    """All-reduce (sum) and all-gather (last dimension) between ranks that run in threads of this process."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -44,20 +44,27 @@ class ThreadGroup:
         self.barrier = threading.Barrier(size, timeout=120)
         self.calls = 0
 
+    def _exchange(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = t
+        self.barrier.wait()
+        parts = [s for s in self.slots if s is not None]
+        if rank == 0:
+            self.calls += 1
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read it
+        return parts
+
     def all_reduce(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def reduce(t: torch.Tensor) -> torch.Tensor:
-            self.slots[rank] = t
-            self.barrier.wait()
-            parts = [s for s in self.slots if s is not None]
+            parts = self._exchange(rank, t)
             total = parts[0].clone()
             for part in parts[1:]:  # every rank sums in rank order: identical results
                 total += part
-            if rank == 0:
-                self.calls += 1
-            self.barrier.wait()  # nobody overwrites a slot before every rank has read it
             return total
 
         return reduce
+
+    def all_gather(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: torch.cat(self._exchange(rank, t), dim=-1)
 
 
 def load_rank(path: Path, tp: TensorParallel) -> Qwen4ExpCore:
@@ -68,7 +75,7 @@ def load_rank(path: Path, tp: TensorParallel) -> Qwen4ExpCore:
 
 def run_ranks(path: Path, size: int, prompts: list[list[int]]) -> tuple[list[Any], ThreadGroup, list[Qwen4ExpCore]]:
     group = ThreadGroup(size)
-    ranks = [load_rank(path, TensorParallel(r, size, group.all_reduce(r))) for r in range(size)]
+    ranks = [load_rank(path, TensorParallel(r, size, group.all_reduce(r), group.all_gather(r))) for r in range(size)]
 
     def generate(core: Qwen4ExpCore) -> Any:
         torch.set_num_threads(1)
@@ -112,11 +119,12 @@ def test_two_ranks_equal_transformers_and_one_rank(
     assert qsa.num_heads == config.num_attention_heads // 2 and qsa.num_kv_heads == kv_per_rank
     assert gdn.num_v_heads == config.linear_num_value_heads // 2
     assert ranks[1].model.layer(0).mlp.experts.down_proj.shape[-1] == config.moe_intermediate_size // 2
+    assert ranks[1].lm_head.weight.shape[0] == ranks[1].model.embed_tokens.weight.shape[0] == config.vocab_size // 2
     table = ranks[1].model.layer(0).ple
     assert table is not None
     assert 2 * table.ple_embedding.ngram_embedding.weight.shape[0] % config.make_ngram_vocab_size_divisible_by == 0
-    # one reduction per attention/GDN block and MoE block and per PLE lookup, every forward step
-    assert group.calls >= STEPS * (2 * config.num_hidden_layers + len(config.ple_layer_ids))
+    # per forward step: the embedding, each attention/GDN and MoE block, each PLE lookup, the logits
+    assert group.calls >= STEPS * (2 + 2 * config.num_hidden_layers + len(config.ple_layer_ids))
 
     expected = reference_greedy(path, prompts)
     for tokens, first_logits in results:

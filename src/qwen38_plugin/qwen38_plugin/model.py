@@ -72,9 +72,9 @@ def check_tensor_parallel(config: Any, tp_size: int) -> None:
     The split mirrors stock vLLM's Qwen4Exp: query heads, GDN key and value heads (with their
     conv channels, gates and decay parameters) and every expert's intermediate dimension (routed
     and shared) are split evenly; KV heads are split when there are at least as many as ranks
-    and otherwise replicated, which needs the rank count to be a multiple of them; the PLE table
-    is split by rows, so its row padding must divide by the rank count (Flash-Next: 24 Q / 2 KV /
-    16 linear-K / 48 linear-V heads).
+    and otherwise replicated, which needs the rank count to be a multiple of them; the PLE table,
+    the token embedding and lm_head are split by rows, so the PLE row padding and the vocabulary
+    must divide by the rank count (Flash-Next: 24 Q / 2 KV / 16 linear-K / 48 linear-V heads).
     """
     if tp_size <= 1:
         return
@@ -84,6 +84,7 @@ def check_tensor_parallel(config: Any, tp_size: int) -> None:
         "linear_num_value_heads": (config.linear_num_value_heads, "heads"),
         "moe_intermediate_size": (config.moe_intermediate_size, "expert intermediate features"),
         "shared_expert_intermediate_size": (config.shared_expert_intermediate_size, "shared-expert features"),
+        "vocab_size": (config.vocab_size, "vocabulary rows"),
     }
     if config.ple_layer_ids:
         counts["make_ngram_vocab_size_divisible_by"] = (config.make_ngram_vocab_size_divisible_by, "PLE table rows")
@@ -107,15 +108,17 @@ def _no_reduce(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place in a tensor-parallel group and the group's sum over ranks.
+    """This process's place in a tensor-parallel group and the group's collectives.
 
-    ``all_reduce`` sums a tensor over the ranks (in place or not) and returns the sum; vLLM
-    passes its tensor-parallel all-reduce, the default (one rank) returns its input.
+    ``all_reduce`` sums a tensor over the ranks (in place or not) and returns the sum;
+    ``all_gather`` concatenates the ranks' tensors along the last dimension. vLLM passes its
+    tensor-parallel collectives; the defaults (one rank) return their input.
     """
 
     rank: int = 0
     size: int = 1
     all_reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce
+    all_gather: Callable[[torch.Tensor], torch.Tensor] = _no_reduce  # concatenates the last dim in rank order
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -347,13 +350,17 @@ class NGramEmbedding(nn.Module):
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """Embedding rows ``[..., E / heads]`` of global table rows ``[...]``."""
-        table = self.ngram_embedding.weight
-        if self.tp.size == 1:
-            return nn.functional.embedding(rows.to(table.device), table)
-        local = rows.to(table.device) - self.row_start
-        outside = (local < 0) | (local >= table.shape[0])
-        found = nn.functional.embedding(local.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0)
-        return self.tp.all_reduce(found)
+        return _row_parallel_lookup(rows, self.ngram_embedding.weight, self.row_start, self.tp)
+
+
+def _row_parallel_lookup(ids: torch.Tensor, table: torch.Tensor, start: int, tp: TensorParallel) -> torch.Tensor:
+    """Rows ``ids`` of a table split by rows over the ranks (this rank's rows begin at ``start``)."""
+    if tp.size == 1:
+        return nn.functional.embedding(ids.to(table.device), table)
+    local = ids.to(table.device) - start
+    outside = (local < 0) | (local >= table.shape[0])
+    found = nn.functional.embedding(local.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0)
+    return tp.all_reduce(found)
 
 
 def _nth_prime_after(start: int, count: int) -> int:
@@ -446,10 +453,16 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     def __init__(self, config: Any, tp: TensorParallel) -> None:
         super().__init__()
-        # The token embedding, lm_head and hyper-connections are replicated on every rank.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # The token embedding is split by vocabulary rows (as lm_head); hyper-connections are replicated.
+        self.tp = tp
+        self.embed_tokens = nn.Embedding(tp.local(config.vocab_size), config.hidden_size)
+        self.tp_shards = {"embed_tokens.weight": tp.slice(0, config.vocab_size)}
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.hyper_connection_mixer = GatedResidual(config, inject=False)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens.weight
+        return _row_parallel_lookup(token_ids, table, self.tp.rank * table.shape[0], self.tp)
 
     def layer(self, index: int) -> DecoderLayer:
         block = self.layers[index]
@@ -548,9 +561,11 @@ class Qwen4ExpCore(nn.Module):
         check_tensor_parallel(config, tp.size)
         self.config = config
         self.model = TextModel(config, tp)
-        self.lm_head = _linear(config.vocab_size, config.hidden_size)
+        # Split by vocabulary rows: each rank computes its logits, gathered over the ranks.
+        self.lm_head = _linear(tp.local(config.vocab_size), config.hidden_size)
+        self.tp_shards = {"lm_head.weight": tp.slice(0, config.vocab_size)}
         self._tp_shards: dict[str, Shard] = {
-            f"{module_name}.{name}": shard
+            f"{module_name}.{name}" if module_name else name: shard
             for module_name, module in self.named_modules()
             for name, shard in getattr(module, "tp_shards", {}).items()
         }
@@ -584,7 +599,7 @@ class Qwen4ExpCore(nn.Module):
         groups += [([s], slice(starts[s], starts[s + 1])) for s in prefills]
 
         cfg = self.config
-        streams = hyper_connection.hc_expand(self.model.embed_tokens(token_ids), cfg.hc_count)
+        streams = hyper_connection.hc_expand(self.model.embed(token_ids), cfg.hc_count)
         for index in range(cfg.num_hidden_layers):
             layer = self.model.layer(index)
             if layer.ple is not None:
@@ -626,7 +641,7 @@ class Qwen4ExpCore(nn.Module):
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.tp.all_gather(self.lm_head(hidden))
 
     # -- weights --------------------------------------------------------------------------------
     def load_checkpoint_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

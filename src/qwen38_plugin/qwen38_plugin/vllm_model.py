@@ -23,7 +23,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_rank, tensor_model_parallel_all_reduce
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
@@ -184,9 +188,11 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
         check_config(config)
         check_tensor_parallel(config, tp)
         if tp > 1:
-            # Each rank holds its slices; block outputs are summed with vLLM's tensor-parallel all-reduce.
+            # Each rank holds its slices; vLLM's tensor-parallel collectives sum block outputs and
+            # gather the vocabulary-split logits.
+            rank = get_tensor_model_parallel_rank()
             super().__init__(
-                config, TensorParallel(get_tensor_model_parallel_rank(), tp, tensor_model_parallel_all_reduce)
+                config, TensorParallel(rank, tp, tensor_model_parallel_all_reduce, tensor_model_parallel_all_gather)
             )
         else:
             super().__init__(config)
@@ -218,7 +224,7 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
 
     # -- forward --------------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return self.model.embed(input_ids)
 
     def forward(
         self,
