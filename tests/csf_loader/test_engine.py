@@ -36,10 +36,16 @@ def run_engine(model: Path, tp: int, load_format: str, out: Path) -> dict[str, A
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("csf_engine")
-    source = root / "nvfp4"
+def nvfp4_source(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = tmp_path_factory.mktemp("csf_engine_source") / "nvfp4"
     quantize_checkpoint(Path(tiny_checkpoint("qwen3")), source, "nvfp4")
+    return source
+
+
+@pytest.fixture(scope="module")
+def engines(nvfp4_source: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("csf_engine")
+    source = nvfp4_source
     csf = root / "nvfp4_csf"
     assert csf_convert(["encode", str(source), str(csf), "--scope", "all", "--quiet"]) == 0
     return {
@@ -88,24 +94,38 @@ def rank_scale(rank: dict[str, Any], module: str) -> list[list[int]]:
     return [entry["bytes"][i * cols : (i + 1) * cols] for i in range(rows)]
 
 
-def test_missing_tensor_fails_at_startup_naming_it(engines: dict[str, Any], tmp_path: Path) -> None:
-    # R40: a standard NVFP4 checkpoint with a tensor missing, loaded with --load-format csf
-    # (weights tracking on), fails at startup and names the parameter.
+def start_broken(source_dir: Path, out_dir: Path, change: Any) -> str:
+    """Start a TP=1 engine (--load-format csf) on a copy of ``source_dir`` with ``change(tensors)``
+    applied to its weights; it must fail. Returns the log."""
     from safetensors.torch import save_file
 
-    broken = tmp_path / "nvfp4_missing"
-    broken.mkdir()
-    source_dir: Path = engines["source_dir"]
+    out_dir.mkdir()
     for path in source_dir.iterdir():
         if path.suffix != ".safetensors":
-            (broken / path.name).write_bytes(path.read_bytes())
+            (out_dir / path.name).write_bytes(path.read_bytes())
     with safe_open(str(source_dir / "model.safetensors"), "pt") as f:
-        kept = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.1.mlp.down_proj.weight_scale_2"}  # noqa: SIM118
-    save_file(kept, str(broken / "model.safetensors"), metadata={"format": "pt"})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    change(tensors)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-    cmd = ["flock", LOCK, sys.executable, str(SCRIPT), str(broken), "1", "csf", str(tmp_path / "out.json")]
+    cmd = ["flock", LOCK, sys.executable, str(SCRIPT), str(out_dir), "1", "csf", str(out_dir / "out.json")]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode != 0
-    log = result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+def test_missing_tensor_fails_at_startup_naming_it(nvfp4_source: Path, tmp_path: Path) -> None:
+    # R40: a standard NVFP4 checkpoint with a tensor missing, loaded with --load-format csf
+    # (weights tracking on), fails at startup and names the parameter.
+    dropped = "model.layers.1.mlp.down_proj.weight_scale_2"
+    log = start_broken(nvfp4_source, tmp_path / "missing", lambda t: t.pop(dropped))
     assert "were not initialized from checkpoint" in log, log[-4000:]
     assert "model.layers.1.mlp.down_proj.weight_global_scale" in log or "down_proj.weight_scale_2" in log, log[-4000:]
+
+
+def test_unexpected_tensor_fails_at_startup_naming_it(nvfp4_source: Path, tmp_path: Path) -> None:
+    # R40: a tensor the model has no parameter for fails at startup, named by stock's
+    # AutoWeightsLoader (relative to the inner model, which drops the "model." prefix).
+    extra = "model.layers.0.mlp.down_proj.weight_scale_3"
+    log = start_broken(nvfp4_source, tmp_path / "unexpected", lambda t: t.update({extra: torch.ones(1)}))
+    assert "There is no module or parameter named 'layers.0.mlp.down_proj.weight_scale_3'" in log, log[-4000:]
