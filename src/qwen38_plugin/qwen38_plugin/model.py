@@ -129,7 +129,8 @@ class TensorParallel:
         return total // self.size
 
     def slice(self, dim: int, total: int, offset: int = 0) -> Shard:
-        """This rank's contiguous share of a dimension of ``total`` evenly split items."""
+        """This rank's contiguous share of ``total`` evenly split items of a dimension; with ``offset``
+        the items start there (a part of a packed dimension: combine the pieces of such shares)."""
         n = self.local(total)
         return Shard(dim, total, ((offset + self.rank * n, n),))
 

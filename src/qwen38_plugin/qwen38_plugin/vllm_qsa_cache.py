@@ -222,7 +222,7 @@ class QSAKeyRing(_CacheLayer):
             )
         return CircularBufferSpec(
             block_size=self.capacity, num_kv_heads=1, head_size=self.index_dim, head_size_v=0, dtype=self.dtype,
-            dcp_sharded=False,
+            dcp_sharded=False, max_tp_shards=1,  # every tensor-parallel rank holds the same ring
         )  # fmt: skip
 
     def read(self, meta: QSAMetadata, seq: int, start: int, end: int) -> torch.Tensor:
@@ -255,7 +255,7 @@ class QSABlockKeyCache(_CacheLayer):
             )
         return MLAAttentionSpec(
             block_size=block_size, num_kv_heads=1, head_size=self.index_dim, dtype=self.dtype,
-            tokens_per_state=self.ratio, dcp_sharded=False,
+            tokens_per_state=self.ratio, dcp_sharded=False, max_tp_shards=1,  # replicated over TP ranks
         )  # fmt: skip
 
     def _rows(self, meta: QSAMetadata, seq: int, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
