@@ -11,6 +11,14 @@ Prefill tokens/s uses max_tokens=1; decode tokens/s uses (generated tokens) / (t
 Peak memory is the sum of the peak RSS (VmHWM) of the measuring process and its live
 descendants (vLLM's engine core and worker processes included).
 Prints one table and the ratios ours / transformers.
+
+Same conditions for both sides: both children run under /tmp/qwen38-vllm.lock (no other vLLM
+engine of this repository's tests runs meanwhile), in the same dtype (``--dtype``), and with
+``--threads N`` on the same N cores: transformers with ``torch.set_num_threads(N)``, vLLM's CPU
+worker with ``VLLM_CPU_OMP_THREADS_BIND=0-(N-1)``. ``--threads auto`` keeps each side's own
+default instead: torch uses every core, while vLLM's CPU worker binds its threads to all cores
+but one, which it reserves for the engine's other processes (1 of 2 cores on a 2-core machine).
+The compute threads each side used are printed.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -73,11 +82,15 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [torch.randint(0, 240_000, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def measure_transformers(model: Path, ps: list[list[int]], new_tokens: int) -> dict[str, float]:
+def measure_transformers(
+    model: Path, ps: list[list[int]], new_tokens: int, dtype: str, threads: str
+) -> dict[str, float]:
     import torch
     from transformers import Qwen4ExpForCausalLM
 
-    hf = Qwen4ExpForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    if threads != "auto":
+        torch.set_num_threads(int(threads))
+    hf = Qwen4ExpForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     # All prompts have the same length, so they run as one batch without padding.
     ids = torch.tensor(ps)
     with torch.no_grad():
@@ -87,14 +100,14 @@ def measure_transformers(model: Path, ps: list[list[int]], new_tokens: int) -> d
         t1 = time.perf_counter()
         hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         t2 = time.perf_counter()
-    return _rates(ps, new_tokens, t1 - t0, t2 - t1)
+    return {**_rates(ps, new_tokens, t1 - t0, t2 - t1), "threads": torch.get_num_threads()}
 
 
-def measure_vllm(model: Path, ps: list[list[int]], new_tokens: int) -> dict[str, float]:
+def measure_vllm(model: Path, ps: list[list[int]], new_tokens: int, dtype: str, threads: str) -> dict[str, float]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(model), dtype="float32", max_model_len=1024, seed=0, max_num_seqs=len(ps))
+    llm = LLM(model=str(model), dtype=dtype, max_model_len=1024, seed=0, max_num_seqs=len(ps))
     inputs = [TokensPrompt(prompt_token_ids=p) for p in ps]
     llm.generate(inputs[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
     t0 = time.perf_counter()
@@ -142,24 +155,32 @@ def tree_peak_rss_mib() -> float:
     return total_kib / 1024
 
 
-def child(kind: str, name: str, concurrency: int, prompt_len: int, new_tokens: int) -> None:
-    model = checkpoint(name)
-    ps = prompts(concurrency, prompt_len)
-    result = (measure_vllm if kind == "vllm" else measure_transformers)(model, ps, new_tokens)
+def child(args: argparse.Namespace) -> None:
+    model = checkpoint(args.config)
+    ps = prompts(args.concurrency, args.prompt_len)
+    measure = measure_vllm if args.child == "vllm" else measure_transformers
+    result = measure(model, ps, args.new_tokens, args.dtype, args.threads)
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def run_child(kind: str, name: str, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", kind, "--config", name, "--concurrency", str(args.concurrency),
-           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]  # fmt: skip
-    if kind == "vllm":
-        cmd = ["flock", "/tmp/qwen38-vllm.lock", *cmd]
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype,
+           "--threads", args.threads]  # fmt: skip
+    # Both sides under the lock the repository's engine tests take, so neither competes with them.
+    cmd = ["flock", "/tmp/qwen38-vllm.lock", *cmd]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    if args.threads != "auto":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{int(args.threads) - 1}"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise SystemExit(f"{kind} {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     result: dict[str, float] = json.loads(lines[-1].removeprefix("RESULT "))
+    if kind == "vllm":
+        # vLLM logs the cores its CPU worker's OpenMP threads are bound to: "core ids=[0, 1]".
+        bound = re.findall(r"core ids=\[([0-9, ]*)\]", proc.stdout + proc.stderr)
+        result["threads"] = len(bound[-1].split(",")) if bound else float("nan")
     return result
 
 
@@ -169,16 +190,21 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", default="auto", help="compute threads of both sides, or auto (see above)")
     parser.add_argument("--child", choices=["vllm", "transformers"])
     args = parser.parse_args()
+    if args.threads != "auto" and not (args.threads.isdigit() and 0 < int(args.threads) <= (os.cpu_count() or 1)):
+        parser.error(f"--threads {args.threads}: use auto or a core count from 1 to {os.cpu_count()}")
     if args.child:
-        child(args.child, args.config, args.concurrency, args.prompt_len, args.new_tokens)
+        child(args)
         return
     names = list(CONFIGS) if args.config == "both" else [args.config]
-    print(f"concurrency {args.concurrency}, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, fp32, "
-          f"{os.cpu_count()} CPUs")  # fmt: skip
+    print(f"concurrency {args.concurrency}, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+          f"{args.dtype}, threads {args.threads}, {os.cpu_count()} CPUs")  # fmt: skip
     for name in names:
         ours, ref = run_child("vllm", name, args), run_child("transformers", name, args)
+        print(f"{name:7s} {'threads':14s} ours {ours['threads']:10.0f}  transformers {ref['threads']:10.0f}")
         for key in ("prefill_tok_s", "decode_tok_s", "peak_rss_mib"):
             print(f"{name:7s} {key:14s} ours {ours[key]:10.1f}  transformers {ref[key]:10.1f}  "
                   f"ratio {ours[key] / ref[key]:6.2f}")  # fmt: skip
