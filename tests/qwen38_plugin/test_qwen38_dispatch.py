@@ -107,6 +107,11 @@ def test_dispatcher_reports_stock_interfaces_to_the_registry() -> None:
     # The portable model's prefix caching (a flag vLLM 0.32 does not read) is the only addition.
     assert differ == {"supports_mamba_prefix_caching"}, {k: (ours[k], theirs[k]) for k in differ}
     assert ours["is_hybrid"] and ours["has_inner_state"] and ours["supports_pp"] and ours["is_text_generation_model"]
+    # and every capability the portable model declares (it may be the one built)
+    from qwen38_plugin.vllm_model import PortableQwen4ExpForCausalLM
+
+    portable = dataclasses.asdict(_ModelInfo.from_model_cls(PortableQwen4ExpForCausalLM))
+    assert not [k for k, v in portable.items() if v is True and ours[k] is not True]
     # read from the class by vLLM's quantization setup, before the model is built
     assert Qwen4ExpForCausalLM.packed_modules_mapping is stock.packed_modules_mapping
     assert hasattr(Qwen4ExpForCausalLM, "get_mtp_target_hidden_states")
