@@ -85,6 +85,9 @@ def test_portable_choice_refuses_what_the_portable_model_lacks() -> None:
     fp16 = Target("cuda", (9, 0), torch.float16)
     with pytest.raises(DispatchError, match=r"dtype float16 .* does not support: speculative method 'mtp'"):
         decide(dataclasses.replace(fp16, speculative_method="mtp"), None)
+    # n-gram drafting would start and then fail at the first step: refused at startup too
+    with pytest.raises(DispatchError, match=r"speculative method 'ngram' .*drop --speculative-config"):
+        decide(dataclasses.replace(fp16, speculative_method="ngram"), None)
     with pytest.raises(DispatchError, match="pipeline_parallel_size=2: use --pipeline-parallel-size 1"):
         decide(dataclasses.replace(fp16, pipeline_parallel_size=2), None)
     # stock's keeps them

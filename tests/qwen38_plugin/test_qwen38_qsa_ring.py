@@ -225,8 +225,11 @@ def test_engine_picks_a_block_size_the_ring_divides(tiny_checkpoint: Callable[..
     # A compress ratio of 3 does not divide the CPU platform's default block size (128): without
     # an explicit --block-size the plugin rounds the default up to 384 before vLLM fits it to the
     # mamba state pages. Prefix caching is on (the engine default), the prompts are chunked.
+    # Without PLE a state slot holds 2 states, not 4: vLLM pairs them with the model's copy functions.
     model = tiny_checkpoint(
-        "qwen4_exp_text", dtype="float32", overrides={"indexer_budget": 12, "indexer_compress_ratio": 3}
+        "qwen4_exp_text",
+        dtype="float32",
+        overrides={"indexer_budget": 12, "indexer_compress_ratio": 3, "ple_layer_ids": []},
     )
     prompts = mixed_prompts(4)
     status, served, log = _engine(model, prompts, max_num_batched_tokens=32, max_num_seqs=8)

@@ -113,10 +113,12 @@ def decide(target: Target, force: str | None) -> Choice:
 
 def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
     lacks = []
-    if target.speculative_method == "mtp":
+    if target.speculative_method is not None:
+        # No MTP head, and the GDN / PLE state updates take no draft rows, so n-gram and draft-model
+        # methods would start and then fail at the first step: refuse every method at startup.
         lacks.append(
-            "speculative method 'mtp' (the portable model has no MTP head, and stock's Qwen4ExpMTP needs "
-            "CUDA >= 8.0 in bfloat16): drop --speculative-config or use method 'ngram'"
+            f"speculative method {target.speculative_method!r} (the portable model verifies no draft tokens; "
+            "stock's Qwen4ExpMTP needs CUDA >= 8.0 in bfloat16): drop --speculative-config"
         )
     if target.pipeline_parallel_size > 1:
         lacks.append(f"pipeline_parallel_size={target.pipeline_parallel_size}: use --pipeline-parallel-size 1")

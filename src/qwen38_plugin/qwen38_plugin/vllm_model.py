@@ -197,6 +197,7 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
         else:
             super().__init__(config)
         self.eos = eos_id(config)
+        self._state_count = len(state_shapes(config, tp))
         self._slots: dict[int, LinearStateSlot] = {}
         self._kv: dict[int, QSAKVCache] = {}
         # Not submodules: they carry no weights; vLLM finds them through the forward context.
@@ -219,8 +220,17 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple[Any, ...]:
-        # Every state is copied whole when a prefix-cache hit resumes from a cached block.
+        # The interface has no config here; vLLM asks the model *instance* through
+        # get_mamba_state_copy_funcs (below), which knows how many states a slot holds.
         return (get_temporal_copy_spec,) * 4
+
+    def get_mamba_state_copy_funcs(  # type: ignore[override]
+        self, mamba_types: set[MambaAttentionBackendEnum]
+    ) -> dict[MambaAttentionBackendEnum, tuple[Any, ...]]:
+        # Every state is copied whole when a prefix-cache hit resumes from a cached block; a slot
+        # holds 2 states (GDN) or 4 (GDN + PLE), and vLLM pairs the functions with the states.
+        funcs = (get_temporal_copy_spec,) * self._state_count
+        return dict.fromkeys(mamba_types, funcs)
 
     # -- forward --------------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
