@@ -244,6 +244,29 @@ def split_gated_query(q_proj: torch.Tensor, num_heads: int, head_dim: int) -> tu
     return q, gate.flatten(1)
 
 
+def _queries_and_new_keys(
+    q_proj: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    positions: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_theta: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normed, rotated q ``[T, Hq, D]``, its gate ``[T, Hq * D]``, normed, rotated k and v ``[T, Hkv, D]``."""
+    q, gate = split_gated_query(q_proj, num_heads, head_dim)
+    q = rms_norm(q, q_norm_weight, eps)
+    k = rms_norm(k_new.unflatten(-1, (num_kv_heads, head_dim)), k_norm_weight, eps)
+    v = v_new.unflatten(-1, (num_kv_heads, head_dim))
+    cos, sin = rotary_cos_sin(positions, rotary_dim, rope_theta, q.dtype)
+    return apply_partial_rope(q, cos, sin), gate, apply_partial_rope(k, cos, sin), v
+
+
 def qsa_attention(
     q_proj: torch.Tensor,
     k_new: torch.Tensor,
@@ -277,12 +300,10 @@ def qsa_attention(
     and past_index_keys ``[P, Di]`` hold positions 0..P-1 (None: P = 0).
     Returns (out ``[T, Hq * D]``, all k ``[P + T, Hkv, D]``, all v, all raw index keys or None).
     """
-    q, gate = split_gated_query(q_proj, num_heads, head_dim)
-    q = rms_norm(q, q_norm_weight, eps)
-    k = rms_norm(k_new.unflatten(-1, (num_kv_heads, head_dim)), k_norm_weight, eps)
-    v = v_new.unflatten(-1, (num_kv_heads, head_dim))
-    cos, sin = rotary_cos_sin(positions, rotary_dim, rope_theta, q.dtype)
-    q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+    q, gate, k, v = _queries_and_new_keys(
+        q_proj, k_new, v_new, positions, q_norm_weight, k_norm_weight, num_heads, num_kv_heads, head_dim,
+        rotary_dim, rope_theta, eps,
+    )  # fmt: skip
     if past_k is not None and past_v is not None:
         k, v = torch.cat([past_k, k]), torch.cat([past_v, v])
     key_positions = torch.arange(k.shape[0], device=q.device)
@@ -341,12 +362,10 @@ def qsa_attention_ring(
     key. Returns (out ``[T, Hq * D]``, new k ``[T, Hkv, D]``, new v, `IndexerStep` or None
     without an indexer).
     """
-    q, gate = split_gated_query(q_proj, num_heads, head_dim)
-    q = rms_norm(q, q_norm_weight, eps)
-    k = rms_norm(k_new.unflatten(-1, (num_kv_heads, head_dim)), k_norm_weight, eps)
-    v = v_new.unflatten(-1, (num_kv_heads, head_dim))
-    cos, sin = rotary_cos_sin(positions, rotary_dim, rope_theta, q.dtype)
-    q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+    q, gate, k, v = _queries_and_new_keys(
+        q_proj, k_new, v_new, positions, q_norm_weight, k_norm_weight, num_heads, num_kv_heads, head_dim,
+        rotary_dim, rope_theta, eps,
+    )  # fmt: skip
     k_all, v_all = (k, v) if past_k is None or past_v is None else (torch.cat([past_k, k]), torch.cat([past_v, v]))
     num_keys = k_all.shape[0]
     step = None
