@@ -38,31 +38,73 @@ from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, decode, encode
 GEOMETRIES: list[tuple[CsfCodec, int, int]] = [(NVFP4_CSF, 2048, 256), (MXFP4_CSF, 2304, 160)]
 
 # Launch configurations of the fused kernel swept on CUDA, per codec family:
-# (rows_per_prog, chunk, block_ch, num_warps, streaming stores, prefetch exceptions). For
-# MXFP4 [*, 160] a slab is 5 chunks of 64 units: block_ch should divide about
-# 5 * rows_per_prog / 16.
-SWEEP: dict[str, list[tuple[int, ...]]] = {
-    "nvfp4": [
-        (32, 128, 8, 4, 0, 1),
-        (32, 128, 8, 4, 0, 0),
-        (64, 128, 8, 4, 0, 1),
-        (64, 128, 8, 4, 0, 0),
-        (16, 128, 4, 4, 0, 1),
-        (32, 128, 8, 8, 0, 1),
-        (32, 256, 4, 4, 0, 1),
-    ],
-    "mxfp4": [
-        (128, 64, 16, 4, 0, 1),
-        (128, 64, 16, 4, 0, 0),
-        (48, 64, 16, 4, 0, 1),
-        (48, 64, 16, 4, 0, 0),
-        (96, 64, 16, 4, 0, 1),
-        (96, 64, 16, 4, 0, 0),
-        (192, 64, 16, 4, 0, 0),
-        (128, 64, 8, 4, 0, 0),
-    ],
+# (rows_per_prog, chunk, block_ch, num_warps, store cache policy (0 default, 1 ".cs",
+# 2 evict_first), exception prefetch (0 after the expansion, 1 bracket + words before it,
+# 2 samples before it), pipe (1: the next step's loads are issued before this step's
+# stores)). For MXFP4 [*, 160] a slab is 5 chunks of 64 units (10 of 32): block_ch should
+# divide about 5 * rows_per_prog / 16. The first entry of each list is the previous default.
+SWEEPS: dict[str, dict[str, list[tuple[int, ...]]]] = {
+    "final": {
+        "nvfp4": [
+            (32, 128, 8, 4, 0, 0, 0),
+            (64, 128, 8, 4, 0, 2, 1),
+            (64, 128, 8, 4, 0, 3, 1),
+            (64, 128, 8, 4, 0, 4, 1),
+            (128, 128, 8, 4, 0, 3, 1),
+        ],
+        "mxfp4": [
+            (128, 64, 16, 4, 0, 0, 0),
+            (128, 32, 16, 4, 0, 2, 1),
+            (144, 64, 16, 4, 0, 2, 1),
+            (128, 32, 16, 4, 0, 3, 1),
+            (128, 32, 16, 4, 0, 4, 1),
+            (144, 64, 16, 4, 0, 3, 1),
+            (144, 64, 16, 4, 0, 4, 1),
+            (128, 64, 16, 4, 0, 3, 1),
+            (128, 32, 8, 4, 0, 3, 1),
+            (256, 32, 16, 4, 0, 4, 1),
+            (256, 32, 32, 8, 0, 3, 1),
+            (192, 64, 32, 8, 0, 3, 1),
+            (96, 32, 16, 4, 0, 3, 1),
+        ],
+    },
+    "explore": {
+        "nvfp4": [
+            (32, 128, 8, 4, 0, 0, 0),
+            (32, 128, 8, 4, 0, 2, 1),
+            (64, 128, 8, 4, 0, 2, 1),
+            (128, 128, 8, 4, 0, 2, 1),
+            (32, 256, 4, 4, 0, 2, 1),
+        ],
+        "mxfp4": [
+            (128, 64, 16, 4, 0, 0, 0),
+            (128, 64, 16, 4, 0, 2, 0),
+            (128, 64, 16, 4, 0, 0, 1),
+            (128, 64, 16, 4, 0, 1, 1),
+            (128, 64, 16, 4, 0, 2, 1),
+            (128, 64, 16, 4, 1, 2, 1),
+            (128, 64, 16, 4, 2, 2, 1),
+            (128, 64, 16, 8, 0, 2, 1),
+            (128, 64, 32, 8, 0, 2, 1),
+            (128, 32, 16, 4, 0, 2, 1),
+            (128, 32, 32, 4, 0, 2, 1),
+            (256, 64, 16, 4, 0, 2, 1),
+            (256, 32, 32, 4, 0, 2, 1),
+            (256, 32, 32, 8, 0, 2, 1),
+            (256, 64, 16, 4, 2, 2, 1),
+            (288, 64, 16, 4, 0, 2, 1),
+            (288, 64, 32, 8, 0, 2, 1),
+            (192, 64, 32, 8, 0, 2, 1),
+            (144, 64, 16, 4, 0, 2, 1),
+            (96, 64, 32, 4, 0, 2, 0),
+            (96, 64, 32, 8, 0, 2, 1),
+            (64, 64, 8, 4, 0, 2, 1),
+            (48, 64, 16, 4, 0, 2, 1),
+            (576, 64, 16, 4, 0, 2, 1),
+        ],
+    },
 }
-TUNING_KEYS = ("rows_per_prog", "chunk", "block_ch", "num_warps", "streaming", "prefetch")
+TUNING_KEYS = ("rows_per_prog", "chunk", "block_ch", "num_warps", "streaming", "prefetch", "pipe")
 COPY_CEILING_BYTES = 2 << 30
 
 
@@ -101,21 +143,40 @@ def timed(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> f
     return statistics.median(samples)
 
 
-def timed_cuda(fn: Callable[[], object], repeats: int, inner: int = 10) -> float:
-    """Median seconds per call: events around ``inner`` back-to-back calls, ``repeats`` times.
+def timed_cuda(fn: Callable[[], object], repeats: int, inner: int = 10, graph: bool = True) -> float:
+    """Median seconds per call: ``inner`` back-to-back calls captured in one CUDA graph,
+    replayed ``repeats`` times between events (``graph=False``: launched directly).
 
-    Back-to-back calls keep the GPU queue full, so the host's launch latency (tens of
-    microseconds for a Triton launch from Python) is not counted as kernel time.
+    The graph keeps the host's launch latency (tens of microseconds for a Triton launch
+    from Python, as long as a one-layer decode) out of the kernel time. The 2 GiB ceilings
+    run without it: a graph turns the copy into a memcpy node, which moved only 2,710 GB/s
+    on the H200 (run 1), against 4,245 GB/s for the copy kernel launched directly.
     """
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    if not graph:
+        samples = []
+        for _ in range(repeats):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(begin.elapsed_time(end) / 1e3 / inner)
+        return statistics.median(samples)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        for _ in range(inner):
-            fn()
+        graph.replay()
         end.record()
         end.synchronize()
         samples.append(begin.elapsed_time(end) / 1e3 / inner)
@@ -141,8 +202,8 @@ def cuda_ceilings() -> dict[str, float]:
     while time.perf_counter() - started < 2.0:
         dst.copy_(src)
         torch.cuda.synchronize()
-    seconds = timed_cuda(lambda: dst.copy_(src), 5)
-    fill_s = timed_cuda(lambda: dst.fill_(0x5A), 5)
+    seconds = timed_cuda(lambda: dst.copy_(src), 5, graph=False)
+    fill_s = timed_cuda(lambda: dst.fill_(0x5A), 5, graph=False)
     return {
         "copy_ceiling_bytes": float(COPY_CEILING_BYTES),
         "copy_ceiling_traffic_GBps": 2 * COPY_CEILING_BYTES / seconds / 1e9,
@@ -157,7 +218,7 @@ def same_size_copy_and_fill(nbytes: int) -> tuple[float, float]:
 
 
 def bench_cuda(
-    codec: CsfCodec, rows: int, cols: int, experts: int, layers: int, ceilings: dict[str, float]
+    codec: CsfCodec, rows: int, cols: int, experts: int, layers: int, ceilings: dict[str, float], sweep: str
 ) -> dict[str, Any]:
     from csf_loader import triton_decode
     from csf_loader.triton_decode import decode_triton_stacked
@@ -207,9 +268,22 @@ def bench_cuda(
             "traffic_over_4246": t / 4246.0,
         }
 
-    tunings = [dict(zip(TUNING_KEYS, t, strict=True)) for t in SWEEP[codec.family]]
+    tunings = [dict(zip(TUNING_KEYS, t, strict=True)) for t in SWEEPS[sweep][codec.family]]
     # Two passes over the sweep: a difference smaller than a configuration's own spread
     # between the passes is noise. Each configuration keeps its faster pass.
+    failed: list[str] = []
+
+    def checked(tuning: dict[str, int]) -> dict[str, Any] | None:
+        # A configuration that fails to compile or decodes a wrong byte is reported and
+        # left out of the ranking (the script then exits non-zero); the others still run.
+        try:
+            return measure("fused", tuning, 1, fixed, words, starts)
+        except (Exception, SystemExit) as error:
+            failed.append(f"{tuning}: {error}")
+            print(f"FAILED {codec.name} {tuning}: {error}", file=sys.stderr)
+            return None
+
+    tunings = [t for t in tunings if checked(t) is not None]  # first pass; drops failures
     passes = [[measure("fused", tuning, 1, fixed, words, starts) for tuning in tunings] for _ in range(2)]
     configs = []
     for first, second in zip(*passes, strict=True):
@@ -232,6 +306,8 @@ def bench_cuda(
         cols,
         *(best_tuning[k] for k in keys[:4]),
         streaming=best_tuning["streaming"],
+        prefetch=best_tuning["prefetch"],
+        pipe=best_tuning["pipe"],
     )
     big: list[dict[str, Any]] = []
     if layers > 1:
@@ -260,6 +336,7 @@ def bench_cuda(
         "best": best,
         "best_one_layer": ranked[0],
         "ptx_global_ops": ptx_vector_ops(handle),
+        "failed": failed,
     }
 
 
@@ -298,6 +375,8 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=None, help="planes per layer (cuda 256, cpu 16)")
     parser.add_argument("--layers", type=int, default=8, help="layers decoded in one launch for the batched timing")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--sweep", choices=sorted(SWEEPS), default="final", help="launch configurations to sweep")
+    parser.add_argument("--codecs", default="nvfp4,mxfp4", help="codec families to bench (comma-separated)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -315,7 +394,12 @@ def main() -> int:
         return 0
     device_name = torch.cuda.get_device_name()
     ceilings = cuda_ceilings()
-    results = [bench_cuda(codec, rows, cols, experts, args.layers, ceilings) for codec, rows, cols in GEOMETRIES]
+    families = args.codecs.split(",")
+    results = [
+        bench_cuda(codec, rows, cols, experts, args.layers, ceilings, args.sweep)
+        for codec, rows, cols in GEOMETRIES
+        if codec.family in families
+    ]
     print(f"\n{device_name}, torch {torch.__version__}")
     print(
         f"copy ceiling (2 GiB copy, read + written): {ceilings['copy_ceiling_traffic_GBps']:.0f} GB/s; "
@@ -327,12 +411,14 @@ def main() -> int:
             f"exceptions {100 * r['exception_rate']:.2f} %  same-size copy {r['same_size_copy_traffic_GBps']:.0f} "
             f"GB/s traffic, fill {r['same_size_fill_GBps']:.0f} GB/s"
         )
-        print("  variant      rpp chunk bch  w cs pf layers      us  decoded GB/s  traffic GB/s /ceiling /4246 passes")
+        print(
+            "  variant      rpp chunk bch  w cs pf pp layers      us  decoded GB/s  traffic GB/s /ceiling /4246 passes"
+        )
         for c in [*r["configs"], r["without_exceptions"], *r["layers_batched"]]:
             print(
                 f"  {c['variant']:<11} {c.get('rows_per_prog', '-')!s:>4} {c.get('chunk', '-')!s:>5} "
                 f"{c.get('block_ch', '-')!s:>3} {c['num_warps']:>2} {c.get('streaming', '-')!s:>2} "
-                f"{c.get('prefetch', '-')!s:>2} {c['layers']:>6} "
+                f"{c.get('prefetch', '-')!s:>2} {c.get('pipe', '-')!s:>2} {c['layers']:>6} "
                 f"{1e6 * c['seconds']:>7.1f} "
                 f"{c['decode_GBps']:>13.0f} {c['traffic_GBps']:>13.0f} {c['traffic_over_ceiling']:>9.3f} "
                 f"{c['traffic_over_4246']:>6.3f}  " + "/".join(f"{1e6 * x:.1f}" for x in c.get("pass_seconds", []))
@@ -345,7 +431,10 @@ def main() -> int:
         )
     if args.json:
         args.json.write_text(json.dumps({"device": device_name, "ceilings": ceilings, "results": results}, indent=1))
-    return 0
+    failures = [f for r in results for f in r["failed"]]
+    for f in failures:
+        print(f"FAILED {f}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

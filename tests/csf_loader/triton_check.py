@@ -19,6 +19,12 @@ FUSED_TUNINGS: list[dict[str, int]] = [
     {},
     {"rows_per_prog": 16, "chunk": 16, "block_ch": 2},
     {"rows_per_prog": 32, "chunk": 32, "block_ch": 4, "num_warps": 1, "prefetch": 0},
+    # Software-pipelined steps, samples loaded before the expansion, evict-first stores.
+    {"rows_per_prog": 48, "chunk": 16, "block_ch": 2, "pipe": 1, "prefetch": 2, "streaming": 2, "eblock": 16},
+    {"rows_per_prog": 32, "chunk": 32, "block_ch": 4, "pipe": 1, "prefetch": 1, "streaming": 1, "samples": 16},
+    # Exception words requested after the first one / two steps (peeled off the loop).
+    {"rows_per_prog": 48, "chunk": 16, "block_ch": 2, "pipe": 1, "prefetch": 3, "eblock": 16},
+    {"rows_per_prog": 64, "chunk": 32, "block_ch": 2, "pipe": 1, "prefetch": 4},
 ]
 
 

@@ -11,7 +11,10 @@ built with a few 32-bit integer operations, 16-byte stores), then, after a barri
 that orders its own stores, applies the exception words whose positions fall in its
 rows. It finds them by sampling the plane's sorted exception list, so each program
 reads only its own words (plus at most two sample gaps), and the exception bytes land
-in L2 lines it has just written instead of in evicted ones.
+in L2 lines it has just written instead of in evicted ones. The steps are software
+pipelined (step i + 1's loads are issued before step i's stores), and the exception
+lookup is spread over the first steps so that its two dependent reads (samples, then
+words) hide behind the expansion instead of stalling the program before or after it.
 
 Fallbacks (any column count): the fixed stream is expanded by one kernel and the
 exception words are scattered by a second launch on the same stream (stream order
@@ -43,16 +46,91 @@ _fused_kernel: Any = None
 if HAVE_TRITON:
 
     @triton.jit
-    def _exception_bracket(words_ptr, begin, end, lo_pos, hi_pos, SAMPLES: tl.constexpr):  # type: ignore[no-untyped-def]
-        """[first, stop) of the sorted words[begin:end] that can hold positions in [lo_pos, hi_pos)."""
+    def _exception_samples(words_ptr, begin, end, SAMPLES: tl.constexpr):  # type: ignore[no-untyped-def]
+        """SAMPLES evenly spaced positions of the sorted words[begin:end] (the loads only)."""
         n = end - begin
         s = tl.arange(0, SAMPLES).to(tl.int64)
-        sampled = tl.load(words_ptr + begin + s * n // SAMPLES, mask=(s * 0 + n) > 0, other=0) & 0xFFFFFF
+        return tl.load(words_ptr + begin + s * n // SAMPLES, mask=(s * 0 + n) > 0, other=0) & 0xFFFFFF
+
+    @triton.jit
+    def _exception_bracket(sampled, begin, end, lo_pos, hi_pos, SAMPLES: tl.constexpr):  # type: ignore[no-untyped-def]
+        """[first, stop) of the sorted words[begin:end] that can hold positions in [lo_pos, hi_pos)."""
+        n = end - begin
         below_lo = tl.sum((sampled < lo_pos).to(tl.int64), axis=0)
         below_hi = tl.sum((sampled < hi_pos).to(tl.int64), axis=0)
         first = begin + tl.maximum(below_lo - 1, 0) * n // SAMPLES
         stop = tl.where(n > 0, tl.where(below_hi < SAMPLES, begin + below_hi * n // SAMPLES, end), begin)
         return first, stop
+
+    @triton.jit
+    def _fused_inputs(  # type: ignore[no-untyped-def]
+        fixed_ptr,
+        units_ptr,
+        it,
+        slab0,
+        n_chunks,
+        U: tl.constexpr,
+        SLAB_BYTES: tl.constexpr,
+        CPS: tl.constexpr,
+        CW: tl.constexpr,
+        BLOCK_CH: tl.constexpr,
+        OFFSET_BITS: tl.constexpr,
+    ):
+        """Row bases and packed units (as uint32) of step ``it``'s BLOCK_CH x CW units."""
+        c = it * BLOCK_CH + tl.arange(0, BLOCK_CH)
+        ok = (c < n_chunks)[:, None]
+        slab = slab0 + c // CPS
+        u = (c % CPS)[:, None] * CW + tl.arange(0, CW)[None, :]  # unit within the slab's code area
+        slab_byte = slab * SLAB_BYTES
+        base = tl.load(fixed_ptr + slab_byte[:, None] + u // U, mask=ok, other=0).to(tl.uint32)
+        if OFFSET_BITS == 4:
+            unit = tl.load(units_ptr + (slab * (SLAB_BYTES // 4) + 4)[:, None] + u, mask=ok, other=0)
+            raw = unit.to(tl.uint32, bitcast=True)
+        else:
+            raw = tl.load(fixed_ptr + (slab_byte + 16)[:, None] + u, mask=ok, other=0).to(tl.uint32)
+        return base, raw
+
+    @triton.jit
+    def _fused_store(  # type: ignore[no-untyped-def]
+        out_words,
+        base,
+        raw,
+        it,
+        slab0,
+        n_chunks,
+        U: tl.constexpr,
+        CPS: tl.constexpr,
+        CW: tl.constexpr,
+        BLOCK_CH: tl.constexpr,
+        OFFSET_BITS: tl.constexpr,
+        EVICT: tl.constexpr,
+    ):
+        """Expand step ``it``'s units to 8 output bytes each and store them (16-byte stores)."""
+        c = it * BLOCK_CH + tl.arange(0, BLOCK_CH)
+        ok = (c < n_chunks)[:, None]
+        slab = slab0 + c // CPS
+        u = (c % CPS)[:, None] * CW + tl.arange(0, CW)[None, :]
+        rep = base * 0x01010101
+        if OFFSET_BITS == 4:
+            lo = raw & 0xFFFF
+            hi = raw >> 16
+            lo = (lo | (lo << 8)) & 0x00FF00FF
+            hi = (hi | (hi << 8)) & 0x00FF00FF
+            lo = (lo | (lo << 4)) & 0x0F0F0F0F
+            hi = (hi | (hi << 4)) & 0x0F0F0F0F
+        else:
+            # Bit i of a nibble moves to bit 8 * i: the four shifted copies of the
+            # multiplier never overlap, so nothing carries.
+            lo = ((raw & 0xF) * 0x00204081) & 0x01010101
+            hi = ((raw >> 4) * 0x00204081) & 0x01010101
+        value = ((lo + rep).to(tl.uint64) | ((hi + rep).to(tl.uint64) << 32)).to(tl.int64, bitcast=True)
+        where = out_words + (slab * (16 * U))[:, None] + u
+        if EVICT == 1:
+            tl.store(where, value, mask=ok, cache_modifier=".cs")
+        elif EVICT == 2:
+            tl.store(where, value, mask=ok, eviction_policy="evict_first")
+        else:
+            tl.store(where, value, mask=ok)
 
     @triton.jit
     def _csf_fused_kernel(  # type: ignore[no-untyped-def]
@@ -71,8 +149,10 @@ if HAVE_TRITON:
         SAMPLES: tl.constexpr,
         EBLOCK: tl.constexpr,
         APPLY_EXCEPTIONS: tl.constexpr,
-        STREAMING_STORES: tl.constexpr,
+        EVICT: tl.constexpr,
         PREFETCH: tl.constexpr,
+        PIPE: tl.constexpr,
+        EXC_AT: tl.constexpr,
     ):
         # Needs COLS % 8 == 0. Both codecs then have U = COLS // 8 packed units per row
         # (NVFP4: int32 words of 8 nibbles, read through units_ptr; MXFP4: bytes of 8 bits)
@@ -91,57 +171,72 @@ if HAVE_TRITON:
         r1 = tl.minimum(r0 + ROWS_PER_PROG, rows)
         n_chunks = (r1 - r0) // 16 * CPS
         slab0 = e.to(tl.int64) * (rows // 16) + r0 // 16
-        j = tl.arange(0, CW)
         out_words = out_ptr.to(tl.pointer_type(tl.int64))
+        if PIPE:
+            # Software pipelining: step it + 1's loads are in flight while step it is
+            # expanded and stored (the step past the end loads nothing: all masked).
+            base, raw = _fused_inputs(
+                fixed_ptr, units_ptr, 0, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH, OFFSET_BITS
+            )
         if APPLY_EXCEPTIONS:
             # Positions are sorted, so SAMPLES evenly spaced words bracket this program's
-            # [lo_pos, hi_pos) to within two sample gaps. With PREFETCH the bracket and the
-            # first EBLOCK words are loaded before the expansion (their latency then hides
-            # behind it), else after it.
+            # [lo_pos, hi_pos) to within two sample gaps. PREFETCH 1: the bracket and the
+            # first EBLOCK words are looked up before the expansion (their latency hides
+            # behind it); 2: only the samples are loaded before it; 0: all after it;
+            # 3 / 4 (with PIPE): samples before it, the words after its first 1 / 2 steps.
             begin = tl.load(starts_ptr + e)
             end = tl.load(starts_ptr + e + 1)
             lo_pos = r0 * COLS
             hi_pos = r1 * COLS
-            if PREFETCH:
-                first, stop = _exception_bracket(words_ptr, begin, end, lo_pos, hi_pos, SAMPLES)
+            if PREFETCH >= 1:
+                sampled = _exception_samples(words_ptr, begin, end, SAMPLES)
+            if PREFETCH == 1:
+                first, stop = _exception_bracket(sampled, begin, end, lo_pos, hi_pos, SAMPLES)
                 k0 = first + tl.arange(0, EBLOCK)
                 word0 = tl.load(words_ptr + k0, mask=k0 < stop, other=0)
-        for it in range(ITERS):
-            c = it * BLOCK_CH + tl.arange(0, BLOCK_CH)
-            ok = (c < n_chunks)[:, None]
-            slab = slab0 + c // CPS
-            u = (c % CPS)[:, None] * CW + j[None, :]  # unit within the slab's code area
-            slab_byte = slab * SLAB_BYTES
-            base = tl.load(fixed_ptr + slab_byte[:, None] + u // U, mask=ok, other=0).to(tl.uint32)
-            rep = base * 0x01010101
-            if OFFSET_BITS == 4:
-                unit = tl.load(units_ptr + (slab * (SLAB_BYTES // 4) + 4)[:, None] + u, mask=ok, other=0)
-                x = unit.to(tl.uint32, bitcast=True)
-                lo = x & 0xFFFF
-                hi = x >> 16
-                lo = (lo | (lo << 8)) & 0x00FF00FF
-                hi = (hi | (hi << 8)) & 0x00FF00FF
-                lo = (lo | (lo << 4)) & 0x0F0F0F0F
-                hi = (hi | (hi << 4)) & 0x0F0F0F0F
+        if EXC_AT >= 1:
+            # PREFETCH 3 / 4: the first EXC_AT steps are peeled off the loop, then the
+            # bracket is found (its samples have arrived meanwhile) and the first EBLOCK
+            # words are requested; their latency hides behind the remaining steps.
+            base_next, raw_next = _fused_inputs(
+                fixed_ptr, units_ptr, 1, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH, OFFSET_BITS
+            )
+            _fused_store(out_words, base, raw, 0, slab0, n_chunks, U, CPS, CW, BLOCK_CH, OFFSET_BITS, EVICT)
+            base = base_next
+            raw = raw_next
+        if EXC_AT >= 2:
+            base_next, raw_next = _fused_inputs(
+                fixed_ptr, units_ptr, 2, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH, OFFSET_BITS
+            )
+            _fused_store(out_words, base, raw, 1, slab0, n_chunks, U, CPS, CW, BLOCK_CH, OFFSET_BITS, EVICT)
+            base = base_next
+            raw = raw_next
+        if EXC_AT >= 1:
+            first, stop = _exception_bracket(sampled, begin, end, lo_pos, hi_pos, SAMPLES)
+            k0 = first + tl.arange(0, EBLOCK)
+            word0 = tl.load(words_ptr + k0, mask=k0 < stop, other=0)
+        for it in range(EXC_AT, ITERS):
+            if PIPE:
+                base_next, raw_next = _fused_inputs(
+                    fixed_ptr, units_ptr, it + 1, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH, OFFSET_BITS
+                )
+                _fused_store(out_words, base, raw, it, slab0, n_chunks, U, CPS, CW, BLOCK_CH, OFFSET_BITS, EVICT)
+                base = base_next
+                raw = raw_next
             else:
-                b = tl.load(fixed_ptr + (slab_byte + 16)[:, None] + u, mask=ok, other=0).to(tl.uint32)
-                # Bit i of a nibble moves to bit 8 * i: the four shifted copies of the
-                # multiplier never overlap, so nothing carries.
-                lo = ((b & 0xF) * 0x00204081) & 0x01010101
-                hi = ((b >> 4) * 0x00204081) & 0x01010101
-            value = ((lo + rep).to(tl.uint64) | ((hi + rep).to(tl.uint64) << 32)).to(tl.int64, bitcast=True)
-            where = out_words + (slab * (16 * U))[:, None] + u
-            if STREAMING_STORES:
-                tl.store(where, value, mask=ok, cache_modifier=".cs")
-            else:
-                tl.store(where, value, mask=ok)
+                b_it, r_it = _fused_inputs(
+                    fixed_ptr, units_ptr, it, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH, OFFSET_BITS
+                )
+                _fused_store(out_words, b_it, r_it, it, slab0, n_chunks, U, CPS, CW, BLOCK_CH, OFFSET_BITS, EVICT)
         if APPLY_EXCEPTIONS:
             # Exception bytes overwrite bytes this program stored above: the barrier
             # orders every thread's stores before any exception store.
             tl.debug_barrier()
             plane = out_ptr + e.to(tl.int64) * rows * COLS
-            if not PREFETCH:
-                first, stop = _exception_bracket(words_ptr, begin, end, lo_pos, hi_pos, SAMPLES)
+            if PREFETCH == 0 or PREFETCH == 2:
+                if PREFETCH == 0:
+                    sampled = _exception_samples(words_ptr, begin, end, SAMPLES)
+                first, stop = _exception_bracket(sampled, begin, end, lo_pos, hi_pos, SAMPLES)
                 k0 = first + tl.arange(0, EBLOCK)
                 word0 = tl.load(words_ptr + k0, mask=k0 < stop, other=0)
             position = word0 & 0xFFFFFF
@@ -329,6 +424,9 @@ def _launch_fused(
     apply_exceptions: bool = True,
     streaming: int = 0,
     prefetch: int = 1,
+    pipe: int = 0,
+    samples: int = 64,
+    eblock: int = 256,
 ) -> Any:
     """Launch the one-pass kernel; returns Triton's compiled-kernel handle (for its PTX)."""
     if rows_per_prog % SLAB_ROWS:
@@ -338,6 +436,9 @@ def _launch_fused(
     if not words.numel():  # never read (no exception pass), but Triton needs a pointer
         words = torch.zeros(1, dtype=torch.int32, device=fixed.device)
     units = fixed.view(torch.int32) if codec.offset_bits == 4 else fixed
+    if prefetch not in (0, 1, 2, 3, 4) or (prefetch >= 3 and not pipe):
+        raise ValueError(f"prefetch must be 0..4 (3 and 4 need pipe=1), got prefetch={prefetch} pipe={pipe}")
+    apply = apply_exceptions and exceptions.numel() > 0
     return _fused_kernel[(planes * progs_per_plane,)](
         fixed,
         units,
@@ -351,11 +452,13 @@ def _launch_fused(
         ROWS_PER_PROG=rows_per_prog,
         CW=_chunk_width(cols, chunk),
         BLOCK_CH=block_ch,
-        SAMPLES=64,
-        EBLOCK=256,
-        APPLY_EXCEPTIONS=apply_exceptions and exceptions.numel() > 0,
-        STREAMING_STORES=bool(streaming),
-        PREFETCH=bool(prefetch),
+        SAMPLES=samples,
+        EBLOCK=eblock,
+        APPLY_EXCEPTIONS=apply,
+        EVICT=streaming,
+        PREFETCH=prefetch,
+        PIPE=bool(pipe),
+        EXC_AT=prefetch - 2 if apply and prefetch >= 3 else 0,
         num_warps=num_warps,
     )
 
@@ -456,8 +559,19 @@ DEFAULT_TUNING: dict[str, int] = {
     "num_warps": 4,
     "streaming": 0,
     "prefetch": 1,
+    "pipe": 0,
+    "samples": 64,
+    "eblock": 256,
     "block_r": 32,
     "block_c": 256,
+}
+
+
+# Per-family defaults of the fused kernel, the fastest one-layer configurations of
+# benchmarks/csf_loader/bench_decode.py on the H200 (results/h200_decode_pipelined.txt).
+FAMILY_TUNING: dict[str, dict[str, int]] = {
+    "nvfp4": {"rows_per_prog": 64, "chunk": 128, "block_ch": 8, "num_warps": 4, "prefetch": 3, "pipe": 1},
+    "mxfp4": {"rows_per_prog": 144, "chunk": 64, "block_ch": 16, "num_warps": 4, "prefetch": 4, "pipe": 1},
 }
 
 
@@ -482,19 +596,23 @@ def decode_triton_stacked(
     ``e`` owning ``exceptions[starts[e]:starts[e + 1]]`` (int64 ``starts``, on the
     device). The caller validates the planes (``codec.validate_plane``) beforehand.
 
-    ``tuning`` (defaults ``DEFAULT_TUNING``): for "fused", ``rows_per_prog`` (rows of one
-    plane per program, a multiple of 16), ``chunk`` (units per chunk, at most),
-    ``block_ch`` (chunks per step), ``num_warps``, ``streaming`` (1: streaming stores), ``prefetch`` (1: look up the
-    exception words before the expansion, 0: after it); for the fallbacks ``block_r``,
-    ``block_c``, ``num_warps``. ``max_count`` (the largest per-plane exception count)
-    saves the fallback a device-to-host read.
+    ``tuning`` (defaults ``DEFAULT_TUNING`` updated by ``FAMILY_TUNING[codec.family]``):
+    for "fused", ``rows_per_prog`` (rows of one plane per program, a multiple of 16),
+    ``chunk`` (units per chunk, at most), ``block_ch`` (chunks per step), ``num_warps``,
+    ``streaming`` (store cache policy: 0 default, 1 ".cs", 2 evict_first), ``pipe`` (1:
+    each step's loads are issued before the previous step's stores), ``prefetch`` (when
+    the exception words are looked up: 0 after the expansion, 1 before it, 2 samples
+    before it and words after it, 3 / 4 samples before it and words after its first
+    1 / 2 steps, which needs ``pipe=1``), ``samples`` and ``eblock`` (exception lookup
+    widths); for the fallbacks ``block_r``, ``block_c``, ``num_warps``. ``max_count``
+    (the largest per-plane exception count) saves the fallback a device-to-host read.
     """
     if not HAVE_TRITON:
         raise RuntimeError("csf_loader.triton_decode needs triton; use csf_loader.codec.decode")
     unknown = set(tuning) - set(DEFAULT_TUNING)
     if unknown:
         raise TypeError(f"unknown decode tuning parameter(s) {sorted(unknown)}")
-    t = {**DEFAULT_TUNING, **tuning}
+    t = {**DEFAULT_TUNING, **FAMILY_TUNING.get(codec.family, {}), **tuning}
     if out.numel() != planes * rows * cols or out.element_size() != 1 or not out.is_contiguous():
         raise ValueError(f"output must be a contiguous 1-byte tensor of {planes}x{rows}x{cols}")
     if fixed.numel() != planes * codec.fixed_numel(rows, cols):
@@ -524,6 +642,9 @@ def decode_triton_stacked(
             apply_exceptions=variant == "fused",  # "fused-noexc" only for timing breakdowns
             streaming=t["streaming"],
             prefetch=t["prefetch"],
+            pipe=t["pipe"],
+            samples=t["samples"],
+            eblock=t["eblock"],
         )
         return out
     _launch_fixed(fixed, out_bytes, codec, planes * rows, cols, t["block_r"], t["block_c"], t["num_warps"], variant)
@@ -537,4 +658,12 @@ def decode_triton_stacked(
     return out
 
 
-__all__ = ["DEFAULT_TUNING", "HAVE_TRITON", "SLAB_ROWS", "decode_triton", "decode_triton_stacked", "fused_applies"]
+__all__ = [
+    "DEFAULT_TUNING",
+    "FAMILY_TUNING",
+    "HAVE_TRITON",
+    "SLAB_ROWS",
+    "decode_triton",
+    "decode_triton_stacked",
+    "fused_applies",
+]
