@@ -143,7 +143,10 @@ def timed(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> f
     return statistics.median(samples)
 
 
-def timed_cuda(fn: Callable[[], object], repeats: int, inner: int = 10, graph: bool = True) -> float:
+GRAPH_TIMING = {"on": True}  # --timing launch turns it off (the method of the earlier results)
+
+
+def timed_cuda(fn: Callable[[], object], repeats: int, inner: int = 10, graph: bool | None = None) -> float:
     """Median seconds per call: ``inner`` back-to-back calls captured in one CUDA graph,
     replayed ``repeats`` times between events (``graph=False``: launched directly).
 
@@ -155,6 +158,8 @@ def timed_cuda(fn: Callable[[], object], repeats: int, inner: int = 10, graph: b
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    if graph is None:
+        graph = GRAPH_TIMING["on"]
     if not graph:
         samples = []
         for _ in range(repeats):
@@ -376,11 +381,18 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8, help="layers decoded in one launch for the batched timing")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--sweep", choices=sorted(SWEEPS), default="final", help="launch configurations to sweep")
+    parser.add_argument(
+        "--timing",
+        choices=["graph", "launch"],
+        default="graph",
+        help="graph: time CUDA-graph replays; launch: back-to-back launches from Python (earlier results)",
+    )
     parser.add_argument("--codecs", default="nvfp4,mxfp4", help="codec families to bench (comma-separated)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    GRAPH_TIMING["on"] = args.timing == "graph"
     experts = args.experts or (256 if args.device == "cuda" else 16)
     if args.device != "cuda":
         results = [bench_cpu(codec, rows, cols, experts) for codec, rows, cols in GEOMETRIES]
@@ -400,7 +412,7 @@ def main() -> int:
         for codec, rows, cols in GEOMETRIES
         if codec.family in families
     ]
-    print(f"\n{device_name}, torch {torch.__version__}")
+    print(f"\n{device_name}, torch {torch.__version__}, timing: {args.timing}, sweep: {args.sweep}")
     print(
         f"copy ceiling (2 GiB copy, read + written): {ceilings['copy_ceiling_traffic_GBps']:.0f} GB/s; "
         f"fill (write only): {ceilings['fill_ceiling_GBps']:.0f} GB/s"
