@@ -8,8 +8,9 @@ it already produced) and count it in `vllm:num_preemptions`. Before that, the sa
 every prompt by itself (no preemption) - the unpreempted run. Prompts: mixed short ones and long
 ones whose 32 decode steps cross a KV block boundary; a step budget of 64 tokens chunks the prefills.
 
-A third start, at TP=2 on a checkpoint whose GDN key heads cannot be split over 2 ranks, must fail
-and name the head count.
+A third start, at TP=2 on a checkpoint with a single KV head, replicates that head on both ranks
+(as Flash-Next's 2 KV heads are replicated at TP=4); a fourth, at TP=2 on a checkpoint whose GDN
+key heads cannot be split over 2 ranks, must fail and name the head count.
 """
 
 from __future__ import annotations
@@ -100,6 +101,16 @@ def test_preempted_requests_produce_the_unpreempted_tokens(
     assert run["preemptions"]["together"] > 0, "the KV budget no longer forces a preemption; lower it"
     assert run["tokens"] == run["solo"]
     assert run["tokens"] == reference
+
+
+def test_tp2_with_a_replicated_kv_head_equals_transformers(
+    tiny_checkpoint: Callable[..., Path], prompts: list[list[int]]
+) -> None:
+    # One KV head, two ranks: each rank keeps the whole K/V projection and its own copy of the KV
+    # cache for its half of the query heads.
+    model = tiny_checkpoint("qwen4_exp_text", overrides={"num_key_value_heads": 1}, dtype="float32")
+    run = engine_result(start_engine(model, 2, prompts, num_gpu_blocks_override=None, solo=False))
+    assert run["tokens"] == reference_greedy(model, prompts, torch.float32)
 
 
 def test_geometry_that_cannot_split_fails_at_startup_naming_the_head_count(
