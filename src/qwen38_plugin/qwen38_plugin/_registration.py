@@ -7,7 +7,17 @@ import multiprocessing
 import os
 import sys
 
+import torch
+
 from qwen38_plugin import __version__
+from qwen38_plugin.dispatch import (
+    ARCHITECTURE,
+    FORCE_ENV,
+    Target,
+    current_platform_target,
+    read_force,
+    why_stock_cannot_run,
+)
 
 SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
 
@@ -25,13 +35,8 @@ def _announce(message: str) -> None:
         print(f"INFO [qwen38_plugin] {message}", file=sys.stderr, flush=True)
 
 
-PORTABLE_ARCHITECTURE = "Qwen4ExpForCausalLM"
 # The dispatcher picks stock's or our implementation per model (platform, capability, dtype).
 DISPATCH_MODEL = "qwen38_plugin.vllm_dispatch:Qwen4ExpForCausalLM"
-
-# QWEN38_FORCE_PORTABLE=1 serves Qwen4Exp with our portable model even where stock vLLM's own
-# implementation runs (CUDA >= 8.0 in bf16), to compare the two; =0 never uses ours.
-FORCE_ENV = "QWEN38_FORCE_PORTABLE"
 
 
 def portable_model_reason() -> str | None:
@@ -40,29 +45,23 @@ def portable_model_reason() -> str | None:
     Only what the process alone decides (the switch, the platform); the dtype rule is applied
     per model by `qwen38_plugin.dispatch`.
     """
-    from qwen38_plugin.dispatch import current_platform_target, read_force, why_stock_cannot_run
-
     forced = read_force()
     if forced == "1":
         return f"{FORCE_ENV}=1"
     if forced == "0":
         return None
     platform, capability = current_platform_target()
-    import torch
-
-    from qwen38_plugin.dispatch import Target
-
     # bfloat16 here: only the platform can rule stock's out before a model is chosen.
     return why_stock_cannot_run(Target(platform, capability, torch.bfloat16))
 
 
 def _registration_summary() -> str:
-    reason = portable_model_reason()
+    reason = portable_model_reason()  # also refuses a bad QWEN38_FORCE_PORTABLE value
     if reason is not None:
-        return f"portable {PORTABLE_ARCHITECTURE} ({reason})"
-    if os.environ.get(FORCE_ENV, "").strip() == "0":
-        return f"{PORTABLE_ARCHITECTURE} dispatcher ({FORCE_ENV}=0: stock's only)"
-    return f"{PORTABLE_ARCHITECTURE} dispatcher (stock's in bfloat16, portable otherwise)"
+        return f"portable {ARCHITECTURE} ({reason})"
+    if read_force() == "0":
+        return f"{ARCHITECTURE} dispatcher ({FORCE_ENV}=0: stock's only)"
+    return f"{ARCHITECTURE} dispatcher (stock's in bfloat16, portable otherwise)"
 
 
 def register_with_vllm() -> list[str]:
@@ -83,7 +82,7 @@ def register_with_vllm() -> list[str]:
 
     # A lazy "module:Class" reference: vLLM imports the dispatcher only when it inspects or
     # builds the architecture; the dispatcher logs which implementation it chose and why.
-    ModelRegistry.register_model(PORTABLE_ARCHITECTURE, DISPATCH_MODEL)
+    ModelRegistry.register_model(ARCHITECTURE, DISPATCH_MODEL)
     registered.append(summary)
 
     _announce(
