@@ -75,15 +75,24 @@ def gated_delta_rule_recurrent(
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     batch, heads, seq_len, dk = k.shape
-    s = q.new_zeros(batch, heads, dk, v.shape[-1]) if state is None else state.float().clone()
+    dv = v.shape[-1]
+    if state is None:
+        s = q.new_zeros(batch, heads, dk, dv)
+    else:
+        s = state.float().clone(memory_format=torch.contiguous_format)
+    # The state is updated in place, one (head, sequence) matrix per batch entry: a decode step
+    # is memory-bound on the state, and each line below reads it once (writing it at most once)
+    # instead of materialising a new copy per operation.
+    s3 = s.view(batch * heads, dk, dv)
     outputs = []
     for t in range(seq_len):
-        s = s * g[:, :, t, None, None].exp()
-        predicted = torch.einsum("bhkv,bhk->bhv", s, k[:, :, t])
-        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
-        s = s + k[:, :, t, :, None] * delta[:, :, None, :]
-        outputs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, :, t]))
-    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(batch, 0, heads, v.shape[-1])
+        k_t = k[:, :, t].reshape(batch * heads, 1, dk)
+        s3.mul_(g[:, :, t].exp().reshape(batch * heads, 1, 1))
+        predicted = torch.bmm(k_t, s3)
+        delta = (v[:, :, t].reshape(batch * heads, 1, dv) - predicted) * beta[:, :, t].reshape(batch * heads, 1, 1)
+        s3.baddbmm_(k_t.transpose(1, 2), delta)
+        outputs.append(torch.bmm(q[:, :, t].reshape(batch * heads, 1, dk), s3).view(batch, heads, dv))
+    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(batch, 0, heads, dv)
     return o.to(out_dtype), s
 
 
