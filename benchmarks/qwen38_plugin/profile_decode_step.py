@@ -26,6 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--vllm-kernels", action="store_true", help="with vLLM's CPU kernels, as inside vLLM")
     args = parser.parse_args()
     from transformers import AutoConfig
 
@@ -37,6 +38,10 @@ def main() -> None:
     core = Qwen4ExpCore(AutoConfig.from_pretrained(path)).to(dtype)
     core.load_checkpoint_tensors(iter_safetensors(path))
     core.eval()
+    if args.vllm_kernels:
+        from qwen38_plugin import vllm_cpu_kernels
+
+        print(vllm_cpu_kernels.install(core))
     gen = torch.Generator().manual_seed(0)
     batch, prompt_len = 8, 128
     prompts = [torch.randint(0, 240_000, (prompt_len,), generator=gen).tolist() for _ in range(batch)]

@@ -158,7 +158,30 @@ def rotary_dim(config: Any) -> int:
 
 
 def _linear(out_features: int, in_features: int) -> nn.Linear:
+    """A weight the ops read directly (the module only gives it its checkpoint name)."""
     return nn.Linear(in_features, out_features, bias=False)
+
+
+LinearKernel = Callable[[torch.Tensor], torch.Tensor]
+"""``x [..., in] -> x @ W.T [..., out]`` for one fixed weight W, computed some faster way."""
+
+
+class Projection(nn.Linear):
+    """A bias-free linear layer the model calls as a module, so that a serving adapter can swap
+    its product for a kernel computing the same product (`use_kernel`; the vLLM adapter installs
+    vLLM's prepacked CPU GEMM). Without a kernel it is ``F.linear``, the reference."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.kernel: LinearKernel | None = None
+
+    def use_kernel(self, kernel: LinearKernel) -> None:
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
+        return nn.functional.linear(x, self.weight)
 
 
 def _vector(size: int) -> nn.Parameter:
@@ -226,15 +249,15 @@ class GatedDeltaNet(nn.Module):
         self.eps = config.rms_norm_eps
         self.gate_activation = config.output_gate_type or config.hidden_act
         hidden, value_dim = config.hidden_size, self.num_v_heads * self.head_v_dim
-        self.in_proj_qkv = _linear(self.conv_dim, hidden)
-        self.in_proj_z = _linear(value_dim, hidden)
-        self.in_proj_b = _linear(self.num_v_heads, hidden)
-        self.in_proj_a = _linear(self.num_v_heads, hidden)
+        self.in_proj_qkv = Projection(self.conv_dim, hidden)
+        self.in_proj_z = Projection(value_dim, hidden)
+        self.in_proj_b = Projection(self.num_v_heads, hidden)
+        self.in_proj_a = Projection(self.num_v_heads, hidden)
         self.conv1d = _Weight(self.conv_dim, 1, self.kernel)
         self.A_log = _vector(self.num_v_heads)
         self.dt_bias = _vector(self.num_v_heads)
         self.norm = _Norm(self.head_v_dim)
-        self.out_proj = _linear(hidden, value_dim)
+        self.out_proj = Projection(hidden, value_dim)
         # Checkpoint layout of the conv channels: all q heads, all k heads, all v heads.
         key_dim, total_value_dim = total_k * self.head_k_dim, total_v * self.head_v_dim
         channels = tuple(
@@ -253,13 +276,19 @@ class GatedDeltaNet(nn.Module):
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input projections of every token of a step ``[N, H]`` at once (one GEMM each):
+        mixed qkv, z, a, b."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x)
+
     def core(
-        self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, decode: bool
+        self, projected: Sequence[torch.Tensor], conv_state: torch.Tensor, state: torch.Tensor, decode: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[B, T, H]`` -> (y ``[B, T, Hv * Dv]`` before out_proj, conv state, recurrent state)."""
+        """`project`'s rows of B sequences ``[B, T, ...]`` -> (y ``[B, T, Hv * Dv]`` before out_proj,
+        conv state, recurrent state)."""
+        mixed_qkv, z, a, b = projected
         return gdn.gated_delta_net(
-            self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x),
-            self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, self.norm.weight,
+            mixed_qkv, z, a, b, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, self.norm.weight,
             num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim, eps=self.eps,
             gate_activation=self.gate_activation, conv_state=conv_state, recurrent_state=state,
             chunk_size=None if decode else 64,
@@ -269,7 +298,7 @@ class GatedDeltaNet(nn.Module):
 class Indexer(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.index_qk_proj = _linear((config.indexer_n_heads + 1) * config.indexer_head_dim, config.hidden_size)
+        self.index_qk_proj = Projection((config.indexer_n_heads + 1) * config.indexer_head_dim, config.hidden_size)
         self.q_layernorm = _Norm(config.indexer_head_dim)
         self.k_layernorm = _Norm(config.indexer_head_dim)
 
@@ -289,10 +318,10 @@ class QSAAttention(nn.Module):
         self.num_kv_heads = kv_heads = max(1, total_kv // tp.size)
         # The KV heads of this rank's query heads: its share, or the one head its rank group shares.
         kv_index = tp.rank if total_kv >= tp.size else tp.rank // (tp.size // total_kv)
-        self.q_proj = _linear(heads * head_dim * 2, hidden)
-        self.k_proj = _linear(kv_heads * head_dim, hidden)
-        self.v_proj = _linear(kv_heads * head_dim, hidden)
-        self.o_proj = _linear(hidden, heads * head_dim)
+        self.q_proj = Projection(heads * head_dim * 2, hidden)
+        self.k_proj = Projection(kv_heads * head_dim, hidden)
+        self.v_proj = Projection(kv_heads * head_dim, hidden)
+        self.o_proj = Projection(hidden, heads * head_dim)
         self.q_norm = _Norm(head_dim)
         self.k_norm = _Norm(head_dim)
         self.indexer = Indexer(config) if config.indexer_budget is not None else None
@@ -303,19 +332,26 @@ class QSAAttention(nn.Module):
             "v_proj.weight": kv_rows, "o_proj.weight": tp.slice(1, total_heads * head_dim),
         }  # fmt: skip
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input projections of every token of a step ``[N, H]`` at once (one GEMM each,
+        whatever the number of sequences): q (with gate), k, v and the indexer's q/k (or x)."""
+        index_qk = self.indexer.index_qk_proj(x) if self.indexer is not None else x
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x), index_qk
+
     def attend(
-        self, x: torch.Tensor, positions: torch.Tensor, past: QSAPast
+        self, projected: Sequence[torch.Tensor], positions: torch.Tensor, past: QSAPast
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, qsa.IndexerStep | None]:
-        """One sequence: x ``[T, H]`` -> (out before o_proj, new k, new v, the indexer keys it adds).
+        """One sequence: its rows of `project` ``[T, ...]`` -> (out before o_proj, new k, new v,
+        the indexer keys it adds).
 
         past: what the cache holds of the sequence (`StateStore.kv`): k, v and the indexer's
         block keys plus open group; the complete groups' keys are never recomputed.
         """
         c = self.config
-        index_qk = self.indexer.index_qk_proj(x) if self.indexer is not None else x
+        q_proj, k_new, v_new, index_qk = projected
         past_k, past_v, past_indexer = past
         return qsa.qsa_attention_ring(
-            self.q_proj(x), self.k_proj(x), self.v_proj(x), index_qk, positions,
+            q_proj, k_new, v_new, index_qk, positions,
             q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
             index_q_norm_weight=self.indexer.q_layernorm.weight if self.indexer is not None else None,
             index_k_norm_weight=self.indexer.k_layernorm.weight if self.indexer is not None else None,
@@ -427,12 +463,19 @@ class SparseMoe(nn.Module):
             "shared_expert.down_proj.weight": tp.slice(1, shared_i),
         }  # fmt: skip
 
+    experts_kernel: moe.ExpertsKernel | None = None
+
+    def use_experts_kernel(self, kernel: moe.ExpertsKernel) -> None:
+        """Run the routed and shared experts through ``kernel`` (it holds their weights in its own layout)."""
+        self.experts_kernel = kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert
         return self.tp.all_reduce(moe.moe(
             x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
             torch.cat([shared.gate_proj.weight, shared.up_proj.weight]), shared.down_proj.weight,
             self.shared_expert_gate.weight, top_k=self.top_k, normalize=self.normalize,
+            experts=self.experts_kernel,
         ))  # fmt: skip
 
 
@@ -563,7 +606,7 @@ class Qwen4ExpCore(nn.Module):
         self.config = config
         self.model = TextModel(config, tp)
         # Split by vocabulary rows: each rank computes its logits, gathered over the ranks.
-        self.lm_head = _linear(tp.local(config.vocab_size), config.hidden_size)
+        self.lm_head = Projection(tp.local(config.vocab_size), config.hidden_size)
         self.tp_shards = {"lm_head.weight": tp.slice(0, config.vocab_size)}
         self._tp_shards: dict[str, Shard] = {
             f"{module_name}.{name}" if module_name else name: shard
@@ -574,7 +617,8 @@ class Qwen4ExpCore(nn.Module):
     # -- states ---------------------------------------------------------------------------------
     def fresh_state(self, layer: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         block = self.model.layer(layer)
-        dtype, device = self.lm_head.weight.dtype, self.lm_head.weight.device
+        # (the embedding table: a projection's weight may have been handed to a kernel)
+        dtype, device = self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device
         if kind == "gdn":
             conv, rec = block.linear_attn.state_shapes()
             return torch.zeros(conv, dtype=dtype, device=device), torch.zeros(rec, device=device)
@@ -618,19 +662,23 @@ class Qwen4ExpCore(nn.Module):
             if layer.layer_type == "linear_attention":
                 attn = layer.linear_attn
                 y = x.new_empty(x.shape[0], attn.num_v_heads * attn.head_v_dim)
+                projected = attn.project(x)
                 for seqs, rows in groups:
                     conv, rec = store.recurrent(index, "gdn", seqs)
                     decode = isinstance(rows, torch.Tensor)
-                    out, conv, rec = attn.core(_as_batch(x, rows, len(seqs)), conv, rec, decode)
+                    mine = [_as_batch(p, rows, len(seqs)) for p in projected]
+                    out, conv, rec = attn.core(mine, conv, rec, decode)
                     store.set_recurrent(index, "gdn", seqs, conv, rec)
                     y[rows] = out.flatten(0, 1)
                 block_out = self.tp.all_reduce(attn.out_proj(y))
             else:
                 sa = layer.self_attn
                 y = x.new_empty(x.shape[0], sa.num_heads * cfg.head_dim)
+                projected = sa.project(x)
                 for s, n in enumerate(query_lens):
                     rows_s = slice(starts[s], starts[s] + n)
-                    out, k, v, keys = sa.attend(x[rows_s], positions[rows_s], store.kv(index, s))
+                    mine = [p[rows_s] for p in projected]
+                    out, k, v, keys = sa.attend(mine, positions[rows_s], store.kv(index, s))
                     store.append_kv(index, s, k, v, keys)
                     y[rows_s] = out
                 block_out = self.tp.all_reduce(sa.o_proj(y))
@@ -786,7 +834,7 @@ def greedy_generate(
     """
     caches = [SequenceCache() for _ in prompts]
     store = DictStateStore(core, caches)
-    device = core.lm_head.weight.device
+    device = core.model.embed_tokens.weight.device
     ids = torch.tensor([t for p in prompts for t in p], device=device)
     positions = torch.cat([torch.arange(len(p), device=device) for p in prompts])
     hidden = core.forward_step(ids, positions, [len(p) for p in prompts], store)

@@ -29,9 +29,11 @@ from vllm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMambaPrefixCaching
+from vllm.platforms import current_platform
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from qwen38_plugin.model import (
@@ -44,6 +46,8 @@ from qwen38_plugin.model import (
 )
 from qwen38_plugin.ops.qsa import IndexerStep
 from qwen38_plugin.vllm_qsa_cache import QSAKVCache
+
+logger = init_logger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # State shapes (per request slot)
@@ -149,8 +153,8 @@ class VllmStateStore:
     def recurrent(self, layer: int, kind: str, seqs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         states = self.slots[layer].kv_cache
         idx = self._indices(layer, seqs)
-        pair = (states[0][idx], states[1][idx]) if kind == "gdn" else (states[3][idx], states[2][idx])
-        a, b = pair[0].clone(), pair[1].clone()
+        # Indexing with a tensor gathers copies: the ops may update them in place.
+        a, b = (states[0][idx], states[1][idx]) if kind == "gdn" else (states[3][idx], states[2][idx])
         for i, s in enumerate(seqs):
             if self._is_fresh(s):
                 fresh_a, fresh_b = self.core.fresh_state(layer, kind)
@@ -246,7 +250,7 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
     ) -> torch.Tensor:
         if inputs_embeds is not None:
             raise NotImplementedError("the portable Qwen4Exp model needs token ids (PLE hashes them)")
-        hidden = self.lm_head.weight.new_zeros(input_ids.shape[0], self.config.hidden_size)
+        hidden = self.model.embed_tokens.weight.new_zeros(input_ids.shape[0], self.config.hidden_size)
         metadata: Any = get_forward_context().attn_metadata
         if not metadata:  # profiling / warm-up run: no requests, no states
             return hidden
@@ -271,4 +275,13 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
         return self.logits(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return self.load_checkpoint_tensors(weights)
+        loaded = self.load_checkpoint_tensors(weights)
+        if current_platform.is_cpu():
+            from qwen38_plugin import vllm_cpu_kernels
+
+            if vllm_cpu_kernels.enabled():
+                used = vllm_cpu_kernels.install(self)
+                logger.info("portable Qwen4Exp on CPU uses vLLM's CPU kernels: %s", used)
+            else:
+                logger.info("portable Qwen4Exp on CPU: %s=0, reference ops only", vllm_cpu_kernels.SWITCH_ENV)
+        return loaded

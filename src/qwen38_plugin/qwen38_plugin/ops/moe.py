@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(x [N, H], weights [N, k], expert ids [N, k], shared scale [N, 1]) -> [N, H]``: the sum over k
+of weight * routed expert(x), plus shared scale * shared expert(x); it holds the weights itself."""
 
 
 def route(
@@ -26,6 +32,18 @@ def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
     return F.linear(F.silu(gate) * up, down)
 
 
+def routed_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts_gate_up: torch.Tensor, experts_down: torch.Tensor
+) -> torch.Tensor:
+    """The reference `RoutedExperts`: each chosen expert's SwiGLU MLP on its tokens, weighted and summed."""
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        token, slot = torch.where(ids == expert)
+        y = swiglu_mlp(x[token], experts_gate_up[expert], experts_down[expert])
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+    return out
+
+
 def moe(
     x: torch.Tensor,
     router_weight: torch.Tensor,
@@ -37,6 +55,7 @@ def moe(
     *,
     top_k: int,
     normalize: bool,
+    experts: ExpertsKernel | None = None,
 ) -> torch.Tensor:
     """The MoE block for tokens x ``[N, H]``.
 
@@ -44,12 +63,12 @@ def moe(
     shared_down: ``[H, Is]``; shared_expert_gate: ``[1, H]``. With tensor parallelism each rank
     holds a slice of every expert's intermediate dimension and the outputs are summed across ranks;
     the router and the shared-expert gate are replicated. Returns ``[N, H]`` in x.dtype.
+    ``experts`` replaces the routed and the shared experts' MLPs (a fused kernel holding their
+    weights in its own layout; the four expert weight arguments are then not read).
     """
     weights, ids = route(x, router_weight, top_k, normalize)
-    out = torch.zeros_like(x)
-    for expert in ids.unique().tolist():
-        token, slot = torch.where(ids == expert)
-        y = swiglu_mlp(x[token], experts_gate_up[expert], experts_down[expert])
-        out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
-    shared = swiglu_mlp(x, shared_gate_up, shared_down)
-    return out + torch.sigmoid(F.linear(x, shared_expert_gate)) * shared
+    shared_scale = torch.sigmoid(F.linear(x, shared_expert_gate))
+    if experts is not None:
+        return experts(x, weights, ids, shared_scale)
+    out = routed_experts(x, weights, ids, experts_gate_up, experts_down)
+    return out + shared_scale * swiglu_mlp(x, shared_gate_up, shared_down)
