@@ -292,6 +292,8 @@ class GatedDeltaNet(nn.Module):
             num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim, eps=self.eps,
             gate_activation=self.gate_activation, conv_state=conv_state, recurrent_state=state,
             chunk_size=None if decode else 64,
+            # the stores hand over copies (gathered or stacked) that they replace by the result
+            state_in_place=True,
         )  # fmt: skip
 
 
@@ -332,33 +334,37 @@ class QSAAttention(nn.Module):
             "v_proj.weight": kv_rows, "o_proj.weight": tp.slice(1, total_heads * head_dim),
         }  # fmt: skip
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The input projections of every token of a step ``[N, H]`` at once (one GEMM each,
-        whatever the number of sequences): q (with gate), k, v and the indexer's q/k (or x)."""
+    def prepare(self, x: torch.Tensor, positions: torch.Tensor) -> qsa.PreparedTokens:
+        """Every token of a step ``[N, H]`` at once, whatever the number of sequences: the input
+        projections (one GEMM each) and the per-token norms and rotations (`qsa.prepare_tokens`)."""
+        c = self.config
         index_qk = self.indexer.index_qk_proj(x) if self.indexer is not None else x
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x), index_qk
+        return qsa.prepare_tokens(
+            self.q_proj(x), self.k_proj(x), self.v_proj(x), index_qk, positions,
+            q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
+            index_q_norm_weight=self.indexer.q_layernorm.weight if self.indexer is not None else None,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=c.head_dim,
+            rotary_dim=rotary_dim(c), rope_theta=c.rope_parameters["rope_theta"], eps=c.rms_norm_eps,
+            num_index_heads=c.indexer_n_heads, index_head_dim=c.indexer_head_dim, budget=c.indexer_budget,
+        )  # fmt: skip
 
     def attend(
-        self, projected: Sequence[torch.Tensor], positions: torch.Tensor, past: QSAPast
+        self, prepared: qsa.PreparedTokens, positions: torch.Tensor, past: QSAPast
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, qsa.IndexerStep | None]:
-        """One sequence: its rows of `project` ``[T, ...]`` -> (out before o_proj, new k, new v,
-        the indexer keys it adds).
+        """One sequence: its rows of `prepare` -> (out before o_proj, new k, new v, the indexer
+        keys it adds).
 
         past: what the cache holds of the sequence (`StateStore.kv`): k, v and the indexer's
         block keys plus open group; the complete groups' keys are never recomputed.
         """
         c = self.config
-        q_proj, k_new, v_new, index_qk = projected
         past_k, past_v, past_indexer = past
-        return qsa.qsa_attention_ring(
-            q_proj, k_new, v_new, index_qk, positions,
-            q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
-            index_q_norm_weight=self.indexer.q_layernorm.weight if self.indexer is not None else None,
+        return qsa.attend_ring(
+            prepared, positions,
             index_k_norm_weight=self.indexer.k_layernorm.weight if self.indexer is not None else None,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=c.head_dim,
             rotary_dim=rotary_dim(c), rope_theta=c.rope_parameters["rope_theta"], eps=c.rms_norm_eps,
-            num_index_heads=c.indexer_n_heads, index_head_dim=c.indexer_head_dim, budget=c.indexer_budget,
-            ratio=c.indexer_compress_ratio, past_k=past_k, past_v=past_v, past_indexer=past_indexer,
+            budget=c.indexer_budget, ratio=c.indexer_compress_ratio, past_k=past_k, past_v=past_v,
+            past_indexer=past_indexer,
         )  # fmt: skip
 
 
@@ -527,7 +533,9 @@ class StateStore(Protocol):
     """Per-sequence states of one step; ``seqs`` are indices into the step's sequences."""
 
     def recurrent(self, layer: int, kind: str, seqs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """kind "gdn": (conv, recurrent); kind "ple": (n-gram context, conv); batched over seqs."""
+        """kind "gdn": (conv, recurrent); kind "ple": (n-gram context, conv); batched over seqs.
+
+        Fresh tensors the model owns (it may update them in place), not views of the store."""
         ...
 
     def set_recurrent(self, layer: int, kind: str, seqs: Sequence[int], a: torch.Tensor, b: torch.Tensor) -> None: ...
@@ -674,11 +682,10 @@ class Qwen4ExpCore(nn.Module):
             else:
                 sa = layer.self_attn
                 y = x.new_empty(x.shape[0], sa.num_heads * cfg.head_dim)
-                projected = sa.project(x)
+                prepared = sa.prepare(x, positions)
                 for s, n in enumerate(query_lens):
                     rows_s = slice(starts[s], starts[s] + n)
-                    mine = [p[rows_s] for p in projected]
-                    out, k, v, keys = sa.attend(mine, positions[rows_s], store.kv(index, s))
+                    out, k, v, keys = sa.attend(prepared.rows(rows_s), positions[rows_s], store.kv(index, s))
                     store.append_kv(index, s, k, v, keys)
                     y[rows_s] = out
                 block_out = self.tp.all_reduce(sa.o_proj(y))

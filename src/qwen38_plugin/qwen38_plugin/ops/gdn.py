@@ -65,12 +65,15 @@ def gated_delta_rule_recurrent(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule one token at a time (used for decode).
 
     q, k: ``[B, T, H, Dk]``; v: ``[B, T, H, Dv]``; g (log decay, <= 0), beta: ``[B, T, H]``;
     state: ``[B, H, Dk, Dv]`` (None: zeros). q and k are L2-normalised here.
     Returns (o ``[B, T, H, Dv]`` in v.dtype, final state ``[B, H, Dk, Dv]`` fp32).
+    ``in_place``: the final state is ``state`` itself, updated (a contiguous fp32 state the
+    caller gives away, e.g. a copy gathered from a cache: saves copying it once more).
     """
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
@@ -78,6 +81,8 @@ def gated_delta_rule_recurrent(
     dv = v.shape[-1]
     if state is None:
         s = q.new_zeros(batch, heads, dk, dv)
+    elif in_place and state.dtype == torch.float32 and state.is_contiguous():
+        s = state
     else:
         s = state.float().clone(memory_format=torch.contiguous_format)
     # The state is updated in place, one (head, sequence) matrix per batch entry: a decode step
@@ -179,6 +184,7 @@ def gated_delta_net(
     recurrent_state: torch.Tensor | None = None,
     chunk_size: int | None = 64,
     kernels: str | None = None,
+    state_in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Gated DeltaNet layer between its input and output projections.
 
@@ -192,7 +198,8 @@ def gated_delta_net(
     flash-linear-attention's kernels (`ops.gdn_cuda`, CUDA tensors, fla-core installed);
     "auto" runs fla's on CUDA tensors when fla-core is installed (else torch, with a one-time
     warning naming the extra to install) and torch everywhere else. None (the default) reads
-    ``QWEN38_GDN_KERNELS``, "auto" when unset.
+    ``QWEN38_GDN_KERNELS``, "auto" when unset. ``state_in_place``: the recurrent form may update
+    ``recurrent_state`` in place (`gated_delta_rule_recurrent`'s ``in_place``).
     """
     batch, seq_len, _ = mixed_qkv.shape
     key_dim = num_k_heads * head_k_dim
@@ -214,7 +221,7 @@ def gated_delta_net(
         if repeat > 1:
             q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         if chunk_size is None:
-            o, recurrent_state = gated_delta_rule_recurrent(q, k, v, g, beta, recurrent_state)
+            o, recurrent_state = gated_delta_rule_recurrent(q, k, v, g, beta, recurrent_state, state_in_place)
         else:
             o, recurrent_state = gated_delta_rule_chunked(q, k, v, g, beta, recurrent_state, chunk_size)
     y = gated_rms_norm(o, z.reshape(batch, seq_len, -1, head_v_dim), norm_weight, eps, gate_activation)

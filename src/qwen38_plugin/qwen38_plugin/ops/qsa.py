@@ -111,10 +111,25 @@ def select_from_block_keys(
     keys: ``[C, Di]`` keys of blocks 0..C-1 (`block_keys`), C at least the number of blocks
     complete at the last query; num_keys: positions 0..num_keys-1 the queries may see.
     """
-    num_queries, _, head_dim = index_q.shape
-    device = index_q.device
-    cos, sin = rotary_cos_sin(query_positions, rotary_dim, rope_theta, index_q.dtype)
-    q = apply_partial_rope(rms_norm(index_q, q_norm_weight, eps), cos, sin).float()
+    q = index_queries(index_q, query_positions, q_norm_weight, eps, rope_theta, rotary_dim)
+    return select_with_index_queries(q, keys, num_keys, query_positions, budget=budget, ratio=ratio)
+
+
+def index_queries(
+    index_q: torch.Tensor, positions: torch.Tensor, q_norm_weight: torch.Tensor, eps: float, rope_theta: float,
+    rotary_dim: int,
+) -> torch.Tensor:  # fmt: skip
+    """Raw index queries ``[T, Hi, Di]`` -> normed, rotated, fp32 (row by row: any tokens at once)."""
+    cos, sin = rotary_cos_sin(positions, rotary_dim, rope_theta, index_q.dtype)
+    return apply_partial_rope(rms_norm(index_q, q_norm_weight, eps), cos, sin).float()
+
+
+def select_with_index_queries(
+    q: torch.Tensor, keys: torch.Tensor, num_keys: int, query_positions: torch.Tensor, *, budget: int, ratio: int
+) -> torch.Tensor:
+    """`select_from_block_keys` from `index_queries`' output ``q``."""
+    num_queries, _, head_dim = q.shape
+    device = q.device
     keys = keys.float()
     block_topk = budget // ratio
     key_positions = torch.arange(num_keys, device=device)
@@ -171,6 +186,8 @@ def close_groups(
         )
     pending = torch.cat([open_keys, new_raw_keys])  # positions first_group * ratio ..
     closed = (start + new_raw_keys.shape[0]) // ratio - first_group
+    if closed == 0:  # most decode steps: nothing to pool
+        return IndexerStep(pending[:0], new_raw_keys, pending)
     keys = block_keys(pending, closed, ratio, k_norm_weight, eps, rope_theta, rotary_dim, first_block=first_group)
     return IndexerStep(keys, new_raw_keys, pending[closed * ratio :])
 
@@ -226,13 +243,14 @@ def gated_attention(
     ``h // (Hq / Hkv)``); gate: ``[T, Hq * D]``; mask: ``[T, N]`` bool. Scores and softmax in
     fp32. Returns ``[T, Hq * D]`` in q.dtype.
     """
-    group = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(group, dim=1)
-    vf = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,nhd->htn", q.float(), kf) * scale
-    scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    # query heads grouped by the KV head they read: [T, Hkv, G, D] (no copies of k and v per head)
+    qg = q.float().view(tokens, kv_heads, heads // kv_heads, dim)
+    scores = torch.einsum("tkgd,nkd->kgtn", qg, k.float()) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("htn,nhd->thd", probs, vf).to(q.dtype).flatten(1)
+    out = torch.einsum("kgtn,nkd->tkgd", probs, v.float()).to(q.dtype).reshape(tokens, heads * dim)
     return out * torch.sigmoid(gate)
 
 
@@ -360,29 +378,102 @@ def qsa_attention_ring(
 
     Arguments as `qsa_attention`, except past_indexer (None: P = 0) in place of every past raw
     key. Returns (out ``[T, Hq * D]``, new k ``[T, Hkv, D]``, new v, `IndexerStep` or None
-    without an indexer).
+    without an indexer). The same as `prepare_tokens` then `attend_ring`.
+    """
+    prepared = prepare_tokens(
+        q_proj, k_new, v_new, index_qk, positions, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+        index_q_norm_weight=index_q_norm_weight, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rotary_dim=rotary_dim, rope_theta=rope_theta, eps=eps, num_index_heads=num_index_heads,
+        index_head_dim=index_head_dim, budget=budget,
+    )  # fmt: skip
+    return attend_ring(
+        prepared, positions, index_k_norm_weight=index_k_norm_weight, rotary_dim=rotary_dim, rope_theta=rope_theta,
+        eps=eps, budget=budget, ratio=ratio, past_k=past_k, past_v=past_v, past_indexer=past_indexer,
+    )  # fmt: skip
+
+
+class PreparedTokens(NamedTuple):
+    """A step's tokens made ready for attention, row by row (`prepare_tokens`)."""
+
+    q: torch.Tensor  # [T, Hq, D] normed, rotated
+    gate: torch.Tensor  # [T, Hq * D]
+    k: torch.Tensor  # [T, Hkv, D] normed, rotated
+    v: torch.Tensor  # [T, Hkv, D]
+    index_q: torch.Tensor | None  # [T, Hi, Di] fp32, normed, rotated (None without an indexer)
+    index_keys: torch.Tensor | None  # [T, Di] raw index keys
+
+    def rows(self, rows: slice) -> PreparedTokens:
+        """The same for some of the tokens (one sequence's)."""
+        index_q = None if self.index_q is None else self.index_q[rows]
+        index_keys = None if self.index_keys is None else self.index_keys[rows]
+        return PreparedTokens(self.q[rows], self.gate[rows], self.k[rows], self.v[rows], index_q, index_keys)
+
+
+def prepare_tokens(
+    q_proj: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    index_qk: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    index_q_norm_weight: torch.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_theta: float,
+    eps: float,
+    num_index_heads: int | None,
+    index_head_dim: int | None,
+    budget: int | None,
+) -> PreparedTokens:
+    """Everything `attend_ring` needs that depends on one token only: norms, rotations, splits.
+
+    Works on any tokens at once (every token of a step, of all its sequences): a model runs
+    it once per layer and step, then `attend_ring` per sequence on its rows (`PreparedTokens.rows`).
     """
     q, gate, k, v = _queries_and_new_keys(
         q_proj, k_new, v_new, positions, q_norm_weight, k_norm_weight, num_heads, num_kv_heads, head_dim,
         rotary_dim, rope_theta, eps,
     )  # fmt: skip
+    if budget is None:
+        return PreparedTokens(q, gate, k, v, None, None)
+    assert num_index_heads and index_head_dim and index_q_norm_weight is not None
+    index_q, raw_keys = split_index_projection(index_qk, num_index_heads, index_head_dim)
+    index_q = index_queries(index_q, positions, index_q_norm_weight, eps, rope_theta, rotary_dim)
+    return PreparedTokens(q, gate, k, v, index_q, raw_keys)
+
+
+def attend_ring(
+    prepared: PreparedTokens,
+    positions: torch.Tensor,
+    *,
+    index_k_norm_weight: torch.Tensor | None,
+    rotary_dim: int,
+    rope_theta: float,
+    eps: float,
+    budget: int | None,
+    ratio: int | None,
+    past_k: torch.Tensor | None = None,
+    past_v: torch.Tensor | None = None,
+    past_indexer: IndexerPast | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, IndexerStep | None]:
+    """`qsa_attention_ring` of one sequence from its `PreparedTokens` (same returns)."""
+    q, gate, k, v, index_q, raw_keys = prepared
     k_all, v_all = (k, v) if past_k is None or past_v is None else (torch.cat([past_k, k]), torch.cat([past_v, v]))
     num_keys = k_all.shape[0]
     step = None
     if budget is None:
         mask = torch.arange(num_keys, device=q.device).unsqueeze(0) <= positions.unsqueeze(1)
     else:
-        assert num_index_heads and index_head_dim and ratio and index_q_norm_weight is not None
-        assert index_k_norm_weight is not None
-        index_q, new_raw_keys = split_index_projection(index_qk, num_index_heads, index_head_dim)
+        assert ratio and index_q is not None and raw_keys is not None and index_k_norm_weight is not None
         step = close_groups(
-            past_indexer, new_raw_keys, num_keys - positions.shape[0], ratio, index_k_norm_weight, eps, rope_theta,
+            past_indexer, raw_keys, num_keys - positions.shape[0], ratio, index_k_norm_weight, eps, rope_theta,
             rotary_dim,
         )  # fmt: skip
         keys = step.block_keys if past_indexer is None else torch.cat([past_indexer.block_keys, step.block_keys])
-        mask = select_from_block_keys(
-            index_q, keys, num_keys, positions, q_norm_weight=index_q_norm_weight, eps=eps, rope_theta=rope_theta,
-            rotary_dim=rotary_dim, budget=budget, ratio=ratio,
-        )  # fmt: skip
-    out = gated_attention(q, k_all, v_all, gate, mask, head_dim**-0.5)
+        mask = select_with_index_queries(index_q, keys, num_keys, positions, budget=budget, ratio=ratio)
+    out = gated_attention(q, k_all, v_all, gate, mask, q.shape[-1] ** -0.5)
     return out, k, v, step
