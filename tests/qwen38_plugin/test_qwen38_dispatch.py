@@ -152,6 +152,16 @@ def test_dispatcher_builds_the_chosen_model_and_logs_why(
     )  # fmt: skip
     (spec,) = Qwen4ExpForCausalLM.get_mamba_specs_from_config(config)
     assert spec.shapes == shapes
+    # the state copy functions, asked on the class (inside the config) and on the built model:
+    # one per state of the slot (the tiny model has PLE: 4)
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    gdn = {MambaAttentionBackendEnum.GDN_ATTN}
+    with set_current_vllm_config(config):
+        from_class = Qwen4ExpForCausalLM.get_mamba_state_copy_funcs(gdn)
+    assert from_class == model.get_mamba_state_copy_funcs(gdn)
+    assert len(from_class[MambaAttentionBackendEnum.GDN_ATTN]) == len(shapes) == 4
     monkeypatch.setenv(FORCE_ENV, "0")
     with pytest.raises(DispatchError, match="QWEN38_FORCE_PORTABLE=0 forbids"):
         initialize_model(config, model_class=Qwen4ExpForCausalLM)

@@ -125,14 +125,19 @@ class Qwen4ExpForCausalLM(
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> Any:
-        return cls._current_class().get_mamba_state_copy_func()  # type: ignore[attr-defined]
+        return _chosen_class(cls._current_config()).get_mamba_state_copy_func()  # type: ignore[attr-defined]
 
     @classmethod
     def get_mamba_state_copy_funcs(cls, mamba_types: set[Any]) -> Any:
-        return cls._current_class().get_mamba_state_copy_funcs(mamba_types)  # type: ignore[attr-defined]
+        config = cls._current_config()
+        chosen: Any = _chosen_class(config)
+        # Ours answers from the config (its instance method needs a built model); stock's is a classmethod.
+        if hasattr(chosen, "get_mamba_state_copy_funcs_from_config"):
+            return chosen.get_mamba_state_copy_funcs_from_config(config, mamba_types)
+        return chosen.get_mamba_state_copy_funcs(mamba_types)
 
-    @classmethod
-    def _current_class(cls) -> type[nn.Module]:
+    @staticmethod
+    def _current_config() -> VllmConfig:
         from vllm.config import get_current_vllm_config
 
         config = get_current_vllm_config()
@@ -141,4 +146,4 @@ class Qwen4ExpForCausalLM(
                 f"{ARCHITECTURE}: stock's or the portable implementation is chosen per vLLM config; call this "
                 "on the built model or inside set_current_vllm_config"
             )
-        return _chosen_class(config)
+        return config

@@ -80,6 +80,15 @@ def state_dtypes(config: Any, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
     return dtypes
 
 
+def state_copy_funcs(
+    vllm_config: VllmConfig, mamba_types: set[MambaAttentionBackendEnum]
+) -> dict[MambaAttentionBackendEnum, tuple[Any, ...]]:
+    """vLLM's state copy functions for a prefix-cache hit, one per state of a slot (2 for GDN,
+    4 with PLE): every state is copied whole when a request resumes from a cached block."""
+    shapes = state_shapes(vllm_config.model_config.hf_text_config, vllm_config.parallel_config.tensor_parallel_size)
+    return dict.fromkeys(mamba_types, (get_temporal_copy_spec,) * len(shapes))
+
+
 def model_dtype(vllm_config: VllmConfig) -> torch.dtype:
     dtype = vllm_config.model_config.dtype
     assert isinstance(dtype, torch.dtype), f"unresolved model dtype {dtype!r}"
@@ -201,7 +210,7 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
         else:
             super().__init__(config)
         self.eos = eos_id(config)
-        self._state_count = len(state_shapes(config, tp))
+        self._vllm_config = vllm_config
         self._slots: dict[int, LinearStateSlot] = {}
         self._kv: dict[int, QSAKVCache] = {}
         # Not submodules: they carry no weights; vLLM finds them through the forward context.
@@ -224,17 +233,22 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple[Any, ...]:
-        # The interface has no config here; vLLM asks the model *instance* through
-        # get_mamba_state_copy_funcs (below), which knows how many states a slot holds.
+        # The interface has no config here; vLLM asks get_mamba_state_copy_funcs (below), which
+        # knows how many states a slot holds.
         return (get_temporal_copy_spec,) * 4
+
+    @classmethod
+    def get_mamba_state_copy_funcs_from_config(
+        cls, vllm_config: VllmConfig, mamba_types: set[MambaAttentionBackendEnum]
+    ) -> dict[MambaAttentionBackendEnum, tuple[Any, ...]]:
+        """What the instance method gives, from a config (the dispatcher asks it on the class)."""
+        return state_copy_funcs(vllm_config, mamba_types)
 
     def get_mamba_state_copy_funcs(  # type: ignore[override]
         self, mamba_types: set[MambaAttentionBackendEnum]
     ) -> dict[MambaAttentionBackendEnum, tuple[Any, ...]]:
-        # Every state is copied whole when a prefix-cache hit resumes from a cached block; a slot
-        # holds 2 states (GDN) or 4 (GDN + PLE), and vLLM pairs the functions with the states.
-        funcs = (get_temporal_copy_spec,) * self._state_count
-        return dict.fromkeys(mamba_types, funcs)
+        # vLLM 0.32 asks the built model (it pairs the functions with a slot's states).
+        return state_copy_funcs(self._vllm_config, mamba_types)
 
     # -- forward --------------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
