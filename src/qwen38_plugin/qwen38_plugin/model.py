@@ -477,9 +477,15 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert
+        # With a kernel the expert weights are not read (the kernel holds them): no concatenation.
+        shared_gate_up = (
+            torch.cat([shared.gate_proj.weight, shared.up_proj.weight])
+            if self.experts_kernel is None
+            else shared.gate_proj.weight
+        )
         return self.tp.all_reduce(moe.moe(
             x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
-            torch.cat([shared.gate_proj.weight, shared.up_proj.weight]), shared.down_proj.weight,
+            shared_gate_up, shared.down_proj.weight,
             self.shared_expert_gate.weight, top_k=self.top_k, normalize=self.normalize,
             experts=self.experts_kernel,
         ))  # fmt: skip

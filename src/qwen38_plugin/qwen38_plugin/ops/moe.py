@@ -35,7 +35,8 @@ def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
 def routed_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts_gate_up: torch.Tensor, experts_down: torch.Tensor
 ) -> torch.Tensor:
-    """The reference `RoutedExperts`: each chosen expert's SwiGLU MLP on its tokens, weighted and summed."""
+    """The routed part of an `ExpertsKernel`, as reference: each chosen expert's SwiGLU MLP on its
+    tokens, weighted and summed."""
     out = torch.zeros_like(x)
     for expert in ids.unique().tolist():
         token, slot = torch.where(ids == expert)
