@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,3 +23,29 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.float(), expected.float()
     scale = expected.abs().max().clamp_min(1e-30)
     return float((actual - expected).abs().max() / scale)
+
+
+def reference_greedy_one(hf: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens for one prompt and the logits of its last position."""
+    ids = torch.tensor([prompt])
+    # transformers' cache needs an attention layer (it counts the sequence length on one): a model
+    # without any is decoded without a cache, each step a full forward.
+    use_cache = "indexed_attention" in hf.config.layer_types
+    logits = hf(ids, use_cache=use_cache).logits[0, -1]
+    out = hf.generate(
+        ids, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=use_cache
+    )
+    return out[0, len(prompt) :].tolist(), logits
+
+
+def assert_fp32_equals_reference(hf: Any, core: Any, prompts: Sequence[list[int]], steps: int = 32) -> None:
+    """Our core's prompts run together (`greedy_generate`) against transformers one by one:
+    last-position logits within 1e-4 relative error and identical greedy tokens."""
+    from qwen38_plugin.model import greedy_generate
+
+    with torch.no_grad():
+        ours, first_logits = greedy_generate(core, prompts, steps)
+        for prompt, tokens, logits in zip(prompts, ours, first_logits, strict=True):
+            expected_tokens, expected_logits = reference_greedy_one(hf, prompt, steps)
+            assert rel_err(logits, expected_logits) < 1e-4
+            assert tokens == expected_tokens

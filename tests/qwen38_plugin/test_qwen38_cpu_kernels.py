@@ -17,8 +17,8 @@ from transformers import AutoConfig
 
 from qwen38_plugin import vllm_cpu_kernels
 from qwen38_plugin.model import Projection, Qwen4ExpCore, SparseMoe, greedy_generate, iter_safetensors
-from tests.qwen38_plugin.qwen38_reference import load_reference, rel_err
-from tests.qwen38_plugin.test_qwen38_model import HALF_LOGIT_TOL, _prompts, _reference_greedy
+from tests.qwen38_plugin.qwen38_reference import assert_fp32_equals_reference, load_reference, rel_err
+from tests.qwen38_plugin.test_qwen38_model import HALF_LOGIT_TOL, _prompts
 
 # The tiny model's routed experts (32) fit the fused kernel's tile; 24 and a 40-wide shared expert
 # need zero padding, and the shared expert then spans two pieces.
@@ -45,13 +45,7 @@ def test_fp32_with_vllm_kernels_equals_transformers(tiny_checkpoint: Callable[..
     projections = [m for m in core.modules() if isinstance(m, Projection)]
     assert projections and all(m.kernel is not None and m.weight.numel() == 0 for m in projections)
     assert all(m.experts_kernel is not None for m in core.modules() if isinstance(m, SparseMoe))
-    prompts = _prompts(11)
-    with torch.no_grad():
-        ours, first_logits = greedy_generate(core, prompts, 32)
-        for prompt, tokens, logits in zip(prompts, ours, first_logits, strict=True):
-            expected_tokens, expected_logits = _reference_greedy(hf, prompt, 32)
-            assert rel_err(logits, expected_logits) < 1e-4
-            assert tokens == expected_tokens
+    assert_fp32_equals_reference(hf, core, _prompts(11))
 
 
 def test_bf16_with_vllm_kernels_matches_transformers(tiny_checkpoint: Callable[..., Path]) -> None:

@@ -20,7 +20,7 @@ from qwen38_plugin.model import (
     greedy_generate,
     iter_safetensors,
 )
-from tests.qwen38_plugin.qwen38_reference import load_reference, rel_err
+from tests.qwen38_plugin.qwen38_reference import assert_fp32_equals_reference, load_reference, rel_err
 
 EOS = 248046
 
@@ -60,29 +60,12 @@ def _load_core(path: Path, dtype: torch.dtype) -> Qwen4ExpCore:
     return core.eval()
 
 
-def _reference_greedy(hf: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    ids = torch.tensor([prompt])
-    # transformers' cache needs an attention layer (it counts the sequence length on one): a model
-    # without any is decoded without a cache, each step a full forward.
-    use_cache = "indexed_attention" in hf.config.layer_types
-    logits = hf(ids, use_cache=use_cache).logits[0, -1]
-    out = hf.generate(
-        ids, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=use_cache
-    )
-    return out[0, len(prompt) :].tolist(), logits
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fp32_logits_and_greedy_tokens_equal_transformers(tiny_checkpoint: Callable[..., Path], name: str) -> None:
     path = tiny_checkpoint("qwen4_exp_text", overrides=CONFIGS[name])
-    hf, core = load_reference(path, torch.float32), _load_core(path, torch.float32)
-    prompts = _prompts(len(name))
-    with torch.no_grad():
-        ours, first_logits = greedy_generate(core, prompts, 32)
-        for prompt, tokens, logits in zip(prompts, ours, first_logits, strict=True):
-            expected_tokens, expected_logits = _reference_greedy(hf, prompt, 32)
-            assert rel_err(logits, expected_logits) < 1e-4
-            assert tokens == expected_tokens
+    assert_fp32_equals_reference(
+        load_reference(path, torch.float32), _load_core(path, torch.float32), _prompts(len(name))
+    )
 
 
 # bf16/fp16: both sides round every intermediate to the half format, at slightly different points
