@@ -67,6 +67,8 @@ def test_concurrent_requests_equal_transformers(served: tuple[Path, Any]) -> Non
     with ThreadPoolExecutor(len(prompts)) as pool:
         outputs = list(pool.map(lambda p: _complete(server.base_url, model, p), prompts))
     assert outputs == reference_greedy(model, prompts, torch.float32), server.log()[-3000:]
+    # ... computed with vLLM's CPU kernels (the default on CPU), as the startup log says
+    assert "portable Qwen4Exp on CPU uses vLLM's CPU kernels: {'projections'" in server.log()
 
 
 def test_multi_turn_prefix_cache_hit_equals_cold_run(served: tuple[Path, Any]) -> None:

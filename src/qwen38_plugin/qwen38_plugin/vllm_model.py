@@ -29,13 +29,13 @@ from vllm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from vllm.forward_context import get_forward_context
-from vllm.logger import init_logger
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMambaPrefixCaching
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from qwen38_plugin.dispatch import logger
 from qwen38_plugin.model import (
     QSAPast,
     Qwen4ExpCore,
@@ -46,8 +46,6 @@ from qwen38_plugin.model import (
 )
 from qwen38_plugin.ops.qsa import IndexerStep
 from qwen38_plugin.vllm_qsa_cache import QSAKVCache
-
-logger = init_logger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # State shapes (per request slot)
