@@ -133,6 +133,32 @@ if HAVE_TRITON:
             tl.store(where, value, mask=ok)
 
     @triton.jit
+    def _fused_pipelined_step(  # type: ignore[no-untyped-def]
+        out_words,
+        fixed_ptr,
+        units_ptr,
+        base,
+        raw,
+        it,
+        slab0,
+        n_chunks,
+        U: tl.constexpr,
+        SLAB_BYTES: tl.constexpr,
+        CPS: tl.constexpr,
+        CW: tl.constexpr,
+        BLOCK_CH: tl.constexpr,
+        OFFSET_BITS: tl.constexpr,
+        EVICT: tl.constexpr,
+    ):
+        """One software-pipelined step: issue step ``it + 1``'s loads, then expand and store step
+        ``it`` (whose inputs ``base, raw`` were loaded a step earlier); returns step it + 1's inputs."""
+        base_next, raw_next = _fused_inputs(
+            fixed_ptr, units_ptr, it + 1, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH, OFFSET_BITS
+        )
+        _fused_store(out_words, base, raw, it, slab0, n_chunks, U, CPS, CW, BLOCK_CH, OFFSET_BITS, EVICT)
+        return base_next, raw_next
+
+    @triton.jit
     def _csf_fused_kernel(  # type: ignore[no-untyped-def]
         fixed_ptr,
         units_ptr,
@@ -198,31 +224,25 @@ if HAVE_TRITON:
             # PREFETCH 3 / 4: the first EXC_AT steps are peeled off the loop, then the
             # bracket is found (its samples have arrived meanwhile) and the first EBLOCK
             # words are requested; their latency hides behind the remaining steps.
-            base_next, raw_next = _fused_inputs(
-                fixed_ptr, units_ptr, 1, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH, OFFSET_BITS
-            )
-            _fused_store(out_words, base, raw, 0, slab0, n_chunks, U, CPS, CW, BLOCK_CH, OFFSET_BITS, EVICT)
-            base = base_next
-            raw = raw_next
+            base, raw = _fused_pipelined_step(
+                out_words, fixed_ptr, units_ptr, base, raw, 0, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH,
+                OFFSET_BITS, EVICT,
+            )  # fmt: skip
         if EXC_AT >= 2:
-            base_next, raw_next = _fused_inputs(
-                fixed_ptr, units_ptr, 2, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH, OFFSET_BITS
-            )
-            _fused_store(out_words, base, raw, 1, slab0, n_chunks, U, CPS, CW, BLOCK_CH, OFFSET_BITS, EVICT)
-            base = base_next
-            raw = raw_next
+            base, raw = _fused_pipelined_step(
+                out_words, fixed_ptr, units_ptr, base, raw, 1, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH,
+                OFFSET_BITS, EVICT,
+            )  # fmt: skip
         if EXC_AT >= 1:
             first, stop = _exception_bracket(sampled, begin, end, lo_pos, hi_pos, SAMPLES)
             k0 = first + tl.arange(0, EBLOCK)
             word0 = tl.load(words_ptr + k0, mask=k0 < stop, other=0)
         for it in range(EXC_AT, ITERS):
             if PIPE:
-                base_next, raw_next = _fused_inputs(
-                    fixed_ptr, units_ptr, it + 1, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH, OFFSET_BITS
-                )
-                _fused_store(out_words, base, raw, it, slab0, n_chunks, U, CPS, CW, BLOCK_CH, OFFSET_BITS, EVICT)
-                base = base_next
-                raw = raw_next
+                base, raw = _fused_pipelined_step(
+                    out_words, fixed_ptr, units_ptr, base, raw, it, slab0, n_chunks, U, SLAB_BYTES, CPS, CW,
+                    BLOCK_CH, OFFSET_BITS, EVICT,
+                )  # fmt: skip
             else:
                 b_it, r_it = _fused_inputs(
                     fixed_ptr, units_ptr, it, slab0, n_chunks, U, SLAB_BYTES, CPS, CW, BLOCK_CH, OFFSET_BITS
