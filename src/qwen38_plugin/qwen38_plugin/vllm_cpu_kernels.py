@@ -60,15 +60,16 @@ def install(core: Qwen4ExpCore) -> dict[str, str]:
     if projections:
         used["projections"] = f"{len(projections)} through vLLM's CPU GEMM dispatch"
     blocks = [m for m in core.modules() if isinstance(m, SparseMoe) and m.experts_kernel is None]
-    fused = [b for b in blocks if _fused_moe_reason(b) is None]
-    isa = _fused_moe_isa(core)
-    for block in fused:
-        block.use_experts_kernel(_FusedExperts(block, isa))
-    if fused:
-        used["experts"] = f"{len(fused)} layers through vLLM's cpu_fused_moe ({isa})"
-    if len(fused) < len(blocks):
-        reason = _fused_moe_reason(blocks[0]) if not fused else "mixed"
-        used["experts (reference)"] = f"{len(blocks) - len(fused)} layers: {reason}"
+    if blocks:
+        # Every block has the model's dtype and hidden size: one answer holds for all.
+        reason = _fused_moe_reason(blocks[0])
+        if reason is None:
+            isa = _fused_moe_isa(core)
+            for block in blocks:
+                block.use_experts_kernel(_FusedExperts(block, isa))
+            used["experts"] = f"{len(blocks)} layers through vLLM's cpu_fused_moe ({isa})"
+        else:
+            used["experts (reference)"] = f"{len(blocks)} layers: {reason}"
     return used
 
 
