@@ -138,6 +138,10 @@ def _qsa_kwargs(hf: Any, module: Any) -> dict[str, Any]:
     }
 
 
+# `qsa_attention` arguments that only the ring form's second half (`attend_ring`) takes.
+RING_ONLY = ("index_k_norm_weight", "ratio")
+
+
 def _qsa_ours(hf: Any, module: Any, x: torch.Tensor, positions: torch.Tensor, **past: Any) -> tuple[Any, ...]:
     out, k, v, keys = qsa.qsa_attention(
         F.linear(x, module.q_proj.weight),
@@ -214,11 +218,17 @@ def test_qsa_ring_form_equals_reference_form(hf32: Any, checkpoint: Path, dtype:
             xs, positions = x[start:end], torch.arange(start, end)
             expected, k, v, keys = _qsa_ours(hf, module, xs, positions, **ref_past)
             ref_past = {"past_k": k, "past_v": v, "past_index_keys": keys}
-            out, k_new, v_new, step = qsa.qsa_attention_ring(
+            kwargs = _qsa_kwargs(hf, module)
+            prepared = qsa.prepare_tokens(
                 *[F.linear(xs, getattr(module, n).weight) for n in names],
                 F.linear(xs, module.indexer.index_qk_proj.weight),
                 positions,
-                **_qsa_kwargs(hf, module),
+                **{k: v for k, v in kwargs.items() if k not in RING_ONLY},
+            )
+            out, k_new, v_new, step = qsa.attend_ring(
+                prepared,
+                positions,
+                **{k: kwargs[k] for k in (*RING_ONLY, "rotary_dim", "rope_theta", "eps", "budget")},
                 past_k=k_all,
                 past_v=v_all,
                 past_indexer=indexer,

@@ -19,9 +19,10 @@ Positions are absolute token positions within the sequence (text-only: 0, 1, 2, 
 Two forms of the same layer:
 - `qsa_attention` (the reference, tested against transformers) takes every past raw key and
   recomputes every complete block's key at each step;
-- `qsa_attention_ring` takes what a serving cache keeps (`IndexerPast`): one key per complete
-  group, computed once when the group closes, and the raw keys of the open group only. It
-  returns the keys of the groups the step closed and the step's raw keys (`IndexerStep`).
+- the ring form, `prepare_tokens` then `attend_ring`, takes what a serving cache keeps
+  (`IndexerPast`): one key per complete group, computed once when the group closes, and the raw
+  keys of the open group only. It returns the keys of the groups the step closed and the step's
+  raw keys (`IndexerStep`).
 Both give the same selection: a block key depends only on its own group's raw keys.
 """
 
@@ -349,49 +350,6 @@ def qsa_attention(
     return out, k, v, index_keys
 
 
-def qsa_attention_ring(
-    q_proj: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    index_qk: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    index_q_norm_weight: torch.Tensor | None,
-    index_k_norm_weight: torch.Tensor | None,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    rope_theta: float,
-    eps: float,
-    num_index_heads: int | None,
-    index_head_dim: int | None,
-    budget: int | None,
-    ratio: int | None,
-    past_k: torch.Tensor | None = None,
-    past_v: torch.Tensor | None = None,
-    past_indexer: IndexerPast | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, IndexerStep | None]:
-    """`qsa_attention` over a serving cache: block keys of complete groups plus the open group.
-
-    Arguments as `qsa_attention`, except past_indexer (None: P = 0) in place of every past raw
-    key. Returns (out ``[T, Hq * D]``, new k ``[T, Hkv, D]``, new v, `IndexerStep` or None
-    without an indexer). The same as `prepare_tokens` then `attend_ring`.
-    """
-    prepared = prepare_tokens(
-        q_proj, k_new, v_new, index_qk, positions, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
-        index_q_norm_weight=index_q_norm_weight, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        rotary_dim=rotary_dim, rope_theta=rope_theta, eps=eps, num_index_heads=num_index_heads,
-        index_head_dim=index_head_dim, budget=budget,
-    )  # fmt: skip
-    return attend_ring(
-        prepared, positions, index_k_norm_weight=index_k_norm_weight, rotary_dim=rotary_dim, rope_theta=rope_theta,
-        eps=eps, budget=budget, ratio=ratio, past_k=past_k, past_v=past_v, past_indexer=past_indexer,
-    )  # fmt: skip
-
-
 class PreparedTokens(NamedTuple):
     """A step's tokens made ready for attention, row by row (`prepare_tokens`)."""
 
@@ -460,7 +418,13 @@ def attend_ring(
     past_v: torch.Tensor | None = None,
     past_indexer: IndexerPast | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, IndexerStep | None]:
-    """`qsa_attention_ring` of one sequence from its `PreparedTokens` (same returns)."""
+    """`qsa_attention` over a serving cache, for one sequence from its `PreparedTokens`: block keys
+    of complete groups plus the open group.
+
+    Arguments as `qsa_attention`, except past_indexer (None: P = 0) in place of every past raw
+    key. Returns (out ``[T, Hq * D]``, new k ``[T, Hkv, D]``, new v, `IndexerStep` or None
+    without an indexer).
+    """
     q, gate, k, v, index_q, raw_keys = prepared
     k_all, v_all = (k, v) if past_k is None or past_v is None else (torch.cat([past_k, k]), torch.cat([past_v, v]))
     num_keys = k_all.shape[0]
