@@ -6,6 +6,7 @@ faster paths (kernels) must be tested against them.
 
 - `common`: RMSNorm (``1 + weight``, optionally per group), partial rotary embedding.
 - `gdn`: Gated DeltaNet (causal conv with state, gated delta rule chunked and recurrent).
+- `gdn_varlen`: the GDN core of a whole engine step on vLLM's state slots (the CPU path).
 - `qsa`: QSA indexed attention (compressed key blocks, budget, open group, output gate).
 - `hyper_connection`: hyper-connection mixers (grouped norm, low-rank mix, injection).
 - `ple`: per-layer n-gram embeddings (hashing, gate, dilated conv, their states).
