@@ -66,6 +66,30 @@ def ngram_ids(
     return torch.cat(rows, dim=-1), new_context
 
 
+def gated_values(
+    streams: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    norm_key: torch.Tensor,
+    norm_query: torch.Tensor,
+    *,
+    hc_count: int,
+    eps: float,
+) -> torch.Tensor:
+    """The value gated per stream by the signed-sqrt score of its key against the stream.
+
+    streams, key: ``[..., hc * H]`` (key: the key projection of the embedding, before its norm);
+    value: ``[..., H]``; norm_key, norm_query: ``[hc * H]``. Returns ``[..., hc * H]`` (in the dtype of key and value).
+    Token by token, so shared by `ple` and the batched `ple_varlen`.
+    """
+    hidden = streams.shape[-1] // hc_count
+    key = rms_norm(key, norm_key, eps, group_size=hidden).unflatten(-1, (hc_count, hidden))
+    query = rms_norm(streams, norm_query, eps, group_size=hidden).unflatten(-1, (hc_count, hidden))
+    score = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(hidden)
+    score = score.abs().clamp_min(1e-6).sqrt() * score.sign()
+    return (torch.sigmoid(score) * value.unsqueeze(-2)).flatten(-2)
+
+
 def ple(
     streams: torch.Tensor,
     token_ids: torch.Tensor,
@@ -111,12 +135,8 @@ def ple(
     )
     found = lookup(rows) if lookup is not None else F.embedding(rows.to(embedding.device), embedding)
     embedded = found.to(streams.device).flatten(-2)  # [B, T, E]
-    key = rms_norm(F.linear(embedded, key_proj), norm_key, eps, group_size=hidden).unflatten(-1, (hc_count, hidden))
-    value = F.linear(embedded, value_proj)
-    query = rms_norm(streams, norm_query, eps, group_size=hidden).unflatten(-1, (hc_count, hidden))
-    score = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(hidden)
-    score = score.abs().clamp_min(1e-6).sqrt() * score.sign()
-    gated = (torch.sigmoid(score) * value.unsqueeze(-2)).flatten(-2)  # [B, T, hc * H]
+    key, value = F.linear(embedded, key_proj), F.linear(embedded, value_proj)
+    gated = gated_values(streams, key, value, norm_key, norm_query, hc_count=hc_count, eps=eps)  # [B, T, hc * H]
     gated_normed = rms_norm(gated, norm_conv, eps, group_size=hidden)
     conv, conv_state = causal_conv1d(gated_normed, conv_weight, conv_state, "silu", dilation=ngram_size)
     return gated + conv, context, conv_state
