@@ -10,5 +10,6 @@ faster paths (kernels) must be tested against them.
 - `qsa`: QSA indexed attention (compressed key blocks, budget, open group, output gate).
 - `hyper_connection`: hyper-connection mixers (grouped norm, low-rank mix, injection).
 - `ple`: per-layer n-gram embeddings (hashing, gate, dilated conv, their states).
+- `ple_varlen`: PLE of a whole engine step on vLLM's state slots (batched, CUDA-graph safe).
 - `moe`: top-k routed experts with a gated shared expert.
 """

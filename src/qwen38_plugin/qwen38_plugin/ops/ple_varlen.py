@@ -1,0 +1,265 @@
+"""PLE of a whole engine step on vLLM's state slots: batched, and safe inside a CUDA graph.
+
+Per request this is exactly `ops.ple.ple` continuing from the request's states; here every
+token of a step (``[N, ...]``, request after request, as vLLM lays them out) is done at once.
+The model runs the projections with its own linear layers and may keep the embedding table in
+host memory, so the op comes in stages:
+
+1. `token_requests(query_start_loc, N)` -> token_req ``[N]``: each token's request row (-1 past
+   the step's tokens), once per step;
+2. `ngram_rows_varlen` -> the table rows ``[N, (n - 1) * heads_per_ngram]`` of every token, and
+   the requests' n-gram contexts move on;
+3. the caller looks the rows up and projects: ``embedded = table[rows].flatten(-2)`` ``[N, E]``,
+   ``key = key_proj(embedded)`` ``[N, hc * H]``, ``value = value_proj(embedded)`` ``[N, H]``;
+4. `ple_mix_varlen` -> the term ``[N, hc * H]`` to add to the streams, and the requests' conv
+   states move on.
+
+States live in the request's `linear_attention` slot (`vllm_model.state_shapes`):
+- n-gram context ``[S, n - 1]`` int64: each slot's last n - 1 token ids (EOS for a fresh one);
+- conv state ``[S, hc * H, (K - 1) * n]``: each slot's last (K - 1) * n conv inputs (the
+  normalised gated values), model dtype.
+Either cache may be a strided view into a larger buffer; both are updated in place.
+
+Request r's tokens are the rows t with ``token_req[t] == r``, contiguous from
+``query_start[r]``; token t sits at offset ``o = t - query_start[r]`` of the step. What lies
+``s`` tokens back is row ``t - s`` when ``o >= s``, else the request's state. Everything is a
+gather over such indices, so the work is the same tensor ops whatever the requests: no host
+synchronisation, no shape that depends on values, no Python loop over requests or tokens (the
+loops run over the n-gram orders and the conv taps, both fixed by the config). That lets the ops
+run inside vLLM's CUDA-graph-captured decode steps and on CPU alike.
+
+Padding: a token with ``token_req = -1``, or of a request whose slot is negative (vLLM's
+PAD_SLOT_ID), gets zero rows and a zero term. A slot is written only for a request with a
+non-negative slot and at least one token this step, so vLLM's padded requests (no tokens, slot
+0, the null block) leave their slots as they are (`_write_slots_` says how, with static shapes).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from qwen38_plugin.ops.common import rms_norm
+from qwen38_plugin.ops.ple import gated_values
+
+
+def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The request row of every token of a step, -1 for the rows past the step's tokens.
+
+    query_start_loc: ``[R + 1]`` int (vLLM's, zero-length padded requests included); num_tokens:
+    N, the step's (possibly padded) token count. Returns ``[N]`` int32. Graph-safe (a search, no sync).
+    """
+    tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
+    # ends <= t: the request after the last one that ended at or before t
+    request = torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True)
+    return torch.where(request < query_start_loc.shape[0] - 1, request, -1).to(torch.int32)
+
+
+class _StepIndex(NamedTuple):
+    """Where each token and request of a step lives (all tensors; valid or clamped to be safe to gather)."""
+
+    request: torch.Tensor  # [N] long: the token's request row, 0 for padding tokens
+    is_token: torch.Tensor  # [N] bool: a real token of a request with a slot
+    offset: torch.Tensor  # [N] long: offset of the token in its request's step (garbage for padding)
+    slots: torch.Tensor  # [R] long: the request's slot, 0 for negative slots
+    continues: torch.Tensor  # [R] bool: starts from its slot's states (else fresh ones)
+    new_tokens: torch.Tensor  # [R] long: the request's tokens this step
+    written: torch.Tensor  # [R] bool: its slot is written (a slot and at least one token)
+
+
+def _step_index(
+    token_req: torch.Tensor,
+    query_start: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+) -> _StepIndex:
+    num_tokens, num_requests = token_req.shape[0], query_start.shape[0]
+    device = token_req.device
+    request = token_req.long()
+    has_slot = state_indices.long() >= 0
+    is_token = request >= 0
+    request = request.clamp_min(0)
+    is_token = is_token & has_slot.index_select(0, request)
+    offset = torch.arange(num_tokens, device=device) - query_start.long().index_select(0, request)
+    new_tokens = torch.zeros(num_requests, dtype=torch.long, device=device).index_add_(0, request, is_token.long())
+    if has_initial_state is None:  # vLLM's "no prefill in this step": every request continues
+        continues = torch.ones(num_requests, dtype=torch.bool, device=device)
+    else:
+        continues = has_initial_state.to(device=device, dtype=torch.bool)
+    return _StepIndex(
+        request=request,
+        is_token=is_token,
+        offset=offset,
+        slots=state_indices.long().clamp_min(0),
+        continues=continues,
+        new_tokens=new_tokens,
+        written=has_slot & (new_tokens > 0),
+    )
+
+
+def _write_slots_(cache: torch.Tensor, slots: torch.Tensor, written: torch.Tensor, values: torch.Tensor) -> None:
+    """``cache[slots[r]] = values[r]`` for every r with ``written[r]``, as one index_copy_ of all R rows.
+
+    cache: ``[S, ...]``; slots: ``[R]`` long, >= 0; written: ``[R]`` bool; values: ``[R, ...]``.
+    With static shapes every row must go somewhere: a row not written repeats the first written
+    row's write (same slot, same value), so the duplicate indices store identical bytes. If no
+    row is written, every row rewrites slot ``slots[0]`` with what that slot already holds.
+    """
+    values = values.to(cache.dtype)
+    first = torch.argmax(written.to(torch.int32)).view(1)  # the first written row; 0 if none
+    first_slot = slots.index_select(0, first)
+    first_value = torch.where(
+        written.index_select(0, first).view((1,) * values.dim()),
+        values.index_select(0, first),
+        cache.index_select(0, first_slot),
+    )
+    target = torch.where(written, slots, first_slot)
+    source = torch.where(written.view((-1,) + (1,) * (values.dim() - 1)), values, first_value)
+    cache.index_copy_(0, target, source)
+
+
+def ngram_rows_varlen(
+    token_ids: torch.Tensor,
+    token_req: torch.Tensor,
+    query_start: torch.Tensor,
+    context_cache: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    multipliers: torch.Tensor,
+    head_vocab_sizes: torch.Tensor,
+    head_offsets: torch.Tensor,
+    *,
+    heads_per_ngram: int,
+    eos_token_id: int,
+) -> torch.Tensor:
+    """Embedding-table rows of every (token, n-gram head) of a step; moves the n-gram contexts on.
+
+    token_ids: ``[N]`` int; token_req: ``[N]`` int (`token_requests`); query_start: ``[R]`` int,
+    the first token row of each request (vLLM's ``query_start_loc[:-1]``); context_cache:
+    ``[S, n - 1]`` int64; state_indices: ``[R]`` int, the slot of each request; has_initial_state:
+    ``[R]`` bool (False: a fresh request, its context is all EOS) or None (all continue);
+    multipliers: ``[n]`` int64; head_vocab_sizes, head_offsets: ``[(n - 1) * heads_per_ngram]`` int64.
+    Returns rows ``[N, (n - 1) * heads_per_ngram]`` int64 (0 for padding tokens), as
+    `ple.ngram_ids` per request: wrapping int64 hashes, and an n-gram never reaches back across
+    an EOS (a token before the latest EOS reads as EOS). Each written slot's context becomes the
+    request's last n - 1 token ids.
+    """
+    ngram_size = multipliers.shape[0]
+    if ngram_size < 2:
+        raise ValueError(f"ngram_rows_varlen: ngram_size {ngram_size}; PLE hashes n-grams of orders 2..n, n >= 2")
+    context_len = ngram_size - 1
+    num_tokens, num_requests = token_ids.shape[0], query_start.shape[0]
+    rows = torch.zeros(num_tokens, head_vocab_sizes.shape[0], dtype=torch.long, device=token_ids.device)
+    if num_tokens == 0 or num_requests == 0:
+        return rows
+    step = _step_index(token_req, query_start, state_indices, has_initial_state)
+    ids = token_ids.long()
+    positions = torch.arange(num_tokens, device=ids.device)
+    context = context_cache.index_select(0, step.slots)  # [R, n - 1]
+    context = torch.where(step.continues[:, None], context, eos_token_id)
+    token_context = context.index_select(0, step.request)  # [N, n - 1]
+
+    mixed = ids * multipliers[0]
+    # Since the earlier tokens are taken nearest first, "no EOS in [t - s, t - 1]" is "none of the
+    # tokens 1..s back is EOS": one running flag instead of the reference's EOS counts.
+    eos_seen = torch.zeros(num_tokens, dtype=torch.bool, device=ids.device)
+    pieces = []
+    for shift in range(1, ngram_size):
+        from_step = ids.index_select(0, (positions - shift).clamp_min(0))
+        # the context holds the n - 1 ids before the step, oldest first
+        at = (step.offset + context_len - shift).clamp(0, context_len - 1)
+        from_context = token_context.gather(1, at[:, None])[:, 0]
+        earlier = torch.where(step.offset >= shift, from_step, from_context)
+        eos_seen = eos_seen | (earlier == eos_token_id)
+        earlier = torch.where(eos_seen, eos_token_id, earlier)
+        mixed = torch.bitwise_xor(mixed, earlier * multipliers[shift])
+        heads = slice((shift - 1) * heads_per_ngram, shift * heads_per_ngram)
+        pieces.append(torch.remainder(mixed[:, None], head_vocab_sizes[heads]) + head_offsets[heads])
+    rows = torch.where(step.is_token[:, None], torch.cat(pieces, dim=-1), 0)
+
+    # The new context: entries [c, c + n - 1) of [context | the c new tokens].
+    history = step.new_tokens[:, None] + torch.arange(context_len, device=ids.device)  # [R, n - 1]
+    from_context = context.gather(1, history.clamp_max(context_len - 1))
+    token_rows = (query_start.long()[:, None] + history - context_len).clamp(0, num_tokens - 1)
+    from_step = ids.index_select(0, token_rows.flatten()).view(num_requests, context_len)
+    _write_slots_(context_cache, step.slots, step.written, torch.where(history < context_len, from_context, from_step))
+    return rows
+
+
+def ple_mix_varlen(
+    streams: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    norm_key: torch.Tensor,
+    norm_query: torch.Tensor,
+    norm_conv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state_cache: torch.Tensor,
+    token_req: torch.Tensor,
+    query_start: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    *,
+    hc_count: int,
+    ngram_size: int,
+    eps: float,
+) -> torch.Tensor:
+    """The PLE term of every token of a step (to add to the streams); moves the conv states on.
+
+    streams: ``[N, hc * H]``; key: ``[N, hc * H]``, ``key_proj(embedded)`` before its norm;
+    value: ``[N, H]``, ``value_proj(embedded)``; norm_key, norm_query, norm_conv: ``[hc * H]``;
+    conv_weight: ``[hc * H, K]``; conv_state_cache: ``[S, hc * H, (K - 1) * n]``; token_req,
+    query_start, state_indices, has_initial_state: as in `ngram_rows_varlen`.
+    Returns ``[N, hc * H]`` in the dtype of key and value (zeros for padding tokens), as `ple.ple` per
+    request: ``gated + silu(conv(norm(gated)))`` with the per-stream gated value and a causal
+    depthwise conv of kernel K and dilation n continuing from the request's conv state (zeros
+    for a fresh request). Each written slot's conv state becomes the last (K - 1) * n conv inputs.
+    """
+    num_tokens, width = streams.shape
+    num_requests = query_start.shape[0]
+    kernel = conv_weight.shape[-1]
+    span = (kernel - 1) * ngram_size
+    if tuple(conv_state_cache.shape[1:]) != (width, span):
+        raise ValueError(
+            f"ple_mix_varlen: conv_state_cache {tuple(conv_state_cache.shape)} has slots "
+            f"{tuple(conv_state_cache.shape[1:])}, expected (hc * H, (K - 1) * n) = {(width, span)}"
+        )
+    gated = gated_values(streams, key, value, norm_key, norm_query, hc_count=hc_count, eps=eps)
+    if num_tokens == 0 or num_requests == 0:
+        return torch.zeros_like(gated)
+    step = _step_index(token_req, query_start, state_indices, has_initial_state)
+    conv_inputs = rms_norm(gated, norm_conv, eps, group_size=width // hc_count).to(conv_weight.dtype)
+    positions = torch.arange(num_tokens, device=streams.device)
+
+    # The requests' states as rows: row r * span + j is the input span - j steps before request
+    # r's first token. A fresh request's slot holds garbage (possibly NaN): select, not multiply.
+    state = conv_state_cache.index_select(0, step.slots).to(conv_weight.dtype)
+    state = torch.where(step.continues[:, None, None], state, 0)
+    state_rows = state.transpose(1, 2).reshape(num_requests * span, width)
+
+    # The conv as a sum over its K taps, tap k reaching (K - 1 - k) * n inputs back. Accumulated
+    # in fp32 and rounded once to the weight dtype, as F.conv1d does in the reference.
+    acc = torch.zeros(num_tokens, width, dtype=torch.float32, device=streams.device)
+    for tap in range(kernel):
+        back = (kernel - 1 - tap) * ngram_size
+        if back == 0:
+            taken = conv_inputs
+        else:
+            from_step = conv_inputs.index_select(0, (positions - back).clamp_min(0))
+            at = (step.request * span + span - back + step.offset).clamp(0, num_requests * span - 1)
+            taken = torch.where((step.offset >= back)[:, None], from_step, state_rows.index_select(0, at))
+        acc = acc + taken.float() * conv_weight[:, tap].float()
+    conv = F.silu(acc.to(conv_weight.dtype)).to(gated.dtype)
+    term = torch.where(step.is_token[:, None], gated + conv, 0)
+
+    # The new state: entries [c, c + span) of [state | the c new inputs], as [R, hc * H, span].
+    history = step.new_tokens[:, None] + torch.arange(span, device=streams.device)  # [R, span]
+    own_rows = torch.arange(num_requests, device=streams.device)[:, None] * span
+    from_state = state_rows.index_select(0, (own_rows + history.clamp_max(span - 1)).flatten())
+    token_rows = (query_start.long()[:, None] + history - span).clamp(0, num_tokens - 1)
+    from_step = conv_inputs.index_select(0, token_rows.flatten())
+    new_state = torch.where((history < span).flatten()[:, None], from_state, from_step)
+    _write_slots_(conv_state_cache, step.slots, step.written, new_state.view(num_requests, span, width).transpose(1, 2))
+    return term
