@@ -1,0 +1,930 @@
+"""The QSA layer of a whole engine step over vLLM's paged caches: batched, sync-free, graph-safe.
+
+`ops.qsa` is the per-sequence reference (the oracle); this module does the same work for every
+token of every request of a step at once, reading and writing vLLM's caches in place. Each op is
+a plain-torch reference (the spec and the CPU path) plus, where it matters, a Triton fast path,
+behind one dispatcher that picks Triton for CUDA tensors and torch otherwise
+(``backend="torch"`` or ``QWEN38_QSA_PAGED_REFERENCE=1`` force the reference, for comparison;
+``backend="triton"`` forces Triton, which on CPU tensors runs under ``TRITON_INTERPRET=1``).
+On CUDA, nothing here reads a device value back to the host and every shape is fixed by the
+arguments' shapes and ints, so a decode step can be captured in a CUDA graph. The torch
+references may sync (boolean-mask writes; the dense attention reads the longest position).
+
+Caches (the views vLLM binds; dim 0 may be strided past one page because vLLM interleaves other
+layers' pages, so everything indexes through strides):
+- ``kv_cache [NB, Hkv, BS, 2 * D]``: K (normed, rotated) in ``[..., :D]``, V in ``[..., D:]``;
+  position p of request r at block ``kv_block_table[r, p // BS]``, row ``p % BS``;
+- ``key_cache [NBk, 1, BS // ratio, Di]``: one compressed indexer key per complete group
+  g (positions ``[g * ratio, (g + 1) * ratio)``), at block ``key_block_table[r, g // (BS // ratio)]``,
+  row ``g % (BS // ratio)``;
+- ``ring_cache [NBr, 1, cap, Di]``: the raw indexer keys of request r's last ``cap`` positions,
+  position p at block ``ring_block[r]``, row ``p % cap`` (cap a multiple of ratio, >= ratio).
+Block 0 is vLLM's null block: the writes here never touch it (the slot mappings never point at it).
+
+Per-step inputs (device tensors): ``token_req [T] int32`` (the request row of each token; rows
+0..R-1, each request's tokens contiguous and in row order; -1 for CUDA-graph padding tokens, which
+write nothing and whose outputs are don't-care but finite), ``positions [T] int64``,
+``step_start [R] int32`` (position of the request's first token of this step), block tables
+``[R, max_blocks] int32``, ``ring_block [R] int32``, and the slot mappings of `slot_mappings`.
+
+One step of a layer, in order (the order matters where one op reads what another writes):
+1. `write_kv` (K/V of the step's tokens: a token attends to itself and to earlier tokens of the step);
+2. `group_keys` (reads the ring of earlier steps: before the ring write), then `write_rows` into
+   the key cache at the ``key`` slots and into the ring at the ``ring`` slots;
+3. `index_topk` (reads the key cache, including the groups this step closed);
+4. `sparse_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import cache
+from typing import Any, NamedTuple
+
+import torch
+
+from qwen38_plugin.ops.common import apply_partial_rope, rms_norm, rotary_cos_sin
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    HAVE_TRITON = False
+
+REFERENCE_ENV = "QWEN38_QSA_PAGED_REFERENCE"
+BACKENDS = ("auto", "torch", "triton")
+
+# Temporary memory bounds (bytes). Scores of `index_topk` are computed for this many bytes of
+# [query rows, max_groups] fp32 at a time; the torch references gather at most about this much.
+INDEX_SCORE_BYTES = 64 << 20
+REFERENCE_GATHER_BYTES = 64 << 20
+
+
+def use_triton(x: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether an op runs its Triton path: "auto" picks it for CUDA tensors unless
+    ``QWEN38_QSA_PAGED_REFERENCE=1``; "torch" never; "triton" always (CPU needs TRITON_INTERPRET=1)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"qsa_paged backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return False
+    if not HAVE_TRITON:
+        if backend == "triton":
+            raise RuntimeError("qsa_paged: backend='triton' needs the triton package")
+        return False
+    return backend == "triton" or (x.is_cuda and os.environ.get(REFERENCE_ENV, "0") != "1")
+
+
+def _rows(n: int, bytes_per_row: int, budget: int) -> int:
+    """Rows per chunk so that a chunk holds at most ``budget`` bytes (at least one row)."""
+    return max(1, min(n, budget // max(1, bytes_per_row)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Slot mappings
+# ---------------------------------------------------------------------------------------------
+
+
+class SlotMappings(NamedTuple):
+    """Where each token of a step writes (``-1``: nowhere); `slot_mappings`."""
+
+    kv: torch.Tensor  # [T] int64: block * BS + row in kv_cache
+    key: torch.Tensor | None  # [T] int64: block * (BS // ratio) + row in key_cache, closing tokens only
+    ring: torch.Tensor | None  # [T] int64: ring_block * cap + p % cap, the request's last cap tokens only
+
+
+def _lookup(table: torch.Tensor, req: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+    """``table[req, logical]`` as int64, the logical index clamped into the table (padding rows)."""
+    return table[req, logical.clamp(0, table.shape[1] - 1)].long()
+
+
+def slot_mappings(
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_block_table: torch.Tensor,
+    *,
+    block_size: int,
+    key_block_table: torch.Tensor | None = None,
+    ring_block: torch.Tensor | None = None,
+    ratio: int | None = None,
+    ring_capacity: int | None = None,
+) -> SlotMappings:
+    """The three slot mappings of a step, on the tensors' device, without host syncs.
+
+    token_req ``[T] int32`` (-1: padding), positions ``[T] int64``, seq_lens ``[R]`` (each
+    request's length after this step), kv_block_table / key_block_table ``[R, max_blocks] int32``,
+    ring_block ``[R] int32``. ``block_size`` is the KV block size BS; the key cache holds
+    ``BS // ratio`` rows per block and the ring ``ring_capacity`` rows. Without an indexer
+    (key_block_table None) the key and ring mappings are None.
+    - kv: every real token;
+    - key: tokens that close a group (``(p + 1) % ratio == 0``), at group ``p // ratio``;
+    - ring: the request's last ``ring_capacity`` tokens of the step (``p >= seq_len - cap``), so no
+      two tokens of a step write the same ring row.
+    """
+    real = token_req >= 0
+    req = token_req.clamp(min=0).long()
+    pos = positions.long().clamp(min=0)
+    none = torch.full_like(pos, -1)
+    kv = torch.where(real, _lookup(kv_block_table, req, pos // block_size) * block_size + pos % block_size, none)
+    if key_block_table is None:
+        return SlotMappings(kv, None, None)
+    if ratio is None or ring_block is None or ring_capacity is None:
+        raise ValueError("slot_mappings: an indexer needs key_block_table, ring_block, ratio and ring_capacity")
+    if block_size % ratio or ring_capacity % ratio or ring_capacity < ratio:
+        raise ValueError(
+            f"slot_mappings: block size {block_size} and ring capacity {ring_capacity} must be multiples of the "
+            f"ratio {ratio} (and the ring at least one group)"
+        )
+    per_block = block_size // ratio
+    group = pos // ratio
+    closing = real & ((pos + 1) % ratio == 0)
+    key = torch.where(closing, _lookup(key_block_table, req, group // per_block) * per_block + group % per_block, none)
+    last = real & (pos >= seq_lens.long()[req] - ring_capacity)
+    ring = torch.where(last, ring_block.long()[req] * ring_capacity + pos % ring_capacity, none)
+    return SlotMappings(kv, key, ring)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _write_kv_kernel(  # type: ignore[no-untyped-def]
+        kv_ptr,
+        slots_ptr,
+        k_ptr,
+        v_ptr,
+        stride_cache_block,
+        stride_cache_head,
+        stride_cache_row,
+        stride_cache_feature,
+        stride_k_token,
+        stride_k_head,
+        stride_k_dim,
+        stride_v_token,
+        stride_v_head,
+        stride_v_dim,
+        BLOCK_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # One program per (token, KV head): K and V of one head, D contiguous features each.
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        slot = tl.load(slots_ptr + token)
+        if slot >= 0:
+            dims = tl.arange(0, BLOCK_D)
+            ok = dims < HEAD_DIM
+            row = (
+                kv_ptr
+                + (slot // BLOCK_SIZE) * stride_cache_block
+                + head * stride_cache_head
+                + (slot % BLOCK_SIZE) * stride_cache_row
+            )
+            k = tl.load(k_ptr + token * stride_k_token + head * stride_k_head + dims * stride_k_dim, mask=ok)
+            v = tl.load(v_ptr + token * stride_v_token + head * stride_v_head + dims * stride_v_dim, mask=ok)
+            tl.store(row + dims * stride_cache_feature, k.to(kv_ptr.dtype.element_ty), mask=ok)
+            tl.store(row + (HEAD_DIM + dims) * stride_cache_feature, v.to(kv_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _write_rows_kernel(  # type: ignore[no-untyped-def]
+        cache_ptr,
+        slots_ptr,
+        values_ptr,
+        stride_cache_block,
+        stride_cache_row,
+        stride_cache_feature,
+        stride_values_token,
+        stride_values_feature,
+        ROWS_PER_BLOCK: tl.constexpr,
+        FEATURES: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        slot = tl.load(slots_ptr + token)
+        if slot >= 0:
+            features = tl.arange(0, BLOCK_F)
+            ok = features < FEATURES
+            value = tl.load(values_ptr + token * stride_values_token + features * stride_values_feature, mask=ok)
+            row = cache_ptr + (slot // ROWS_PER_BLOCK) * stride_cache_block + (slot % ROWS_PER_BLOCK) * stride_cache_row
+            tl.store(row + features * stride_cache_feature, value.to(cache_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _index_scores_kernel(  # type: ignore[no-untyped-def]
+        q_ptr,
+        key_ptr,
+        table_ptr,
+        req_ptr,
+        complete_ptr,
+        scores_ptr,
+        stride_q_token,
+        stride_q_head,
+        stride_q_dim,
+        stride_key_block,
+        stride_key_row,
+        stride_key_dim,
+        stride_table_req,
+        stride_table_block,
+        stride_scores_token,
+        max_groups,
+        table_width,
+        score_divisor,
+        TOPK: tl.constexpr,
+        NUM_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        ROWS_PER_BLOCK: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # One program per (query row, tile of BLOCK_G groups). Rows with at most TOPK complete
+        # groups select all of them (no scores needed) and tiles past the complete groups hold
+        # only -inf: neither loads anything.
+        token = tl.program_id(0)
+        groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        out = scores_ptr + token * stride_scores_token + groups
+        in_row = groups < max_groups
+        complete = tl.load(complete_ptr + token)
+        if (complete <= TOPK) | (tl.program_id(1) * BLOCK_G >= complete):
+            tl.store(out, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=in_row)
+        else:
+            req = tl.load(req_ptr + token).to(tl.int64)
+            valid = groups < complete
+            logical = tl.minimum(groups // ROWS_PER_BLOCK, table_width - 1)
+            block = tl.load(table_ptr + req * stride_table_req + logical * stride_table_block, mask=valid, other=0)
+            dims = tl.arange(0, BLOCK_D)
+            heads = tl.arange(0, BLOCK_H)
+            keys = tl.load(
+                key_ptr
+                + block.to(tl.int64)[:, None] * stride_key_block
+                + (groups % ROWS_PER_BLOCK)[:, None] * stride_key_row
+                + dims[None, :] * stride_key_dim,
+                mask=valid[:, None] & (dims < HEAD_DIM)[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            # Heads past NUM_HEADS are zero queries: relu(0) adds nothing. BLOCK_H >= 16 for tl.dot.
+            q = tl.load(
+                q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :] * stride_q_dim,
+                mask=(heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_G, BLOCK_H], fp32 FMA
+            score = tl.sum(tl.maximum(dots, 0.0), axis=1) / score_divisor
+            tl.store(out, tl.where(valid, score, float("-inf")), mask=in_row)
+
+    @triton.jit
+    def _gated_output(acc, normalizer, gate_ptr, out_ptr, heads_ok, head_index, dims, HEAD_DIM: tl.constexpr):  # type: ignore[no-untyped-def]
+        """acc / normalizer rounded to the output dtype, times sigmoid(gate) rounded likewise
+        (what `ops.qsa.gated_attention` computes in the model dtype), stored at [head, dim]."""
+        dtype = out_ptr.dtype.element_ty
+        attended = (acc / tl.maximum(normalizer, 1e-30)[:, None]).to(dtype).to(tl.float32)
+        where = head_index[:, None] * HEAD_DIM + dims[None, :]
+        ok = heads_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        gate = tl.load(gate_ptr + where, mask=ok, other=0.0).to(tl.float32)
+        sigmoid = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + where, (attended * sigmoid).to(dtype), mask=ok)
+
+    @triton.jit
+    def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
+        q_ptr,
+        gate_ptr,
+        kv_ptr,
+        table_ptr,
+        req_ptr,
+        pos_ptr,
+        selected_ptr,
+        out_ptr,
+        partial_acc_ptr,
+        partial_ml_ptr,
+        stride_q_token,
+        stride_q_head,
+        stride_q_dim,
+        stride_gate_token,
+        stride_cache_block,
+        stride_cache_head,
+        stride_cache_row,
+        stride_cache_feature,
+        stride_table_req,
+        stride_table_block,
+        stride_selected_token,
+        stride_out_token,
+        num_tokens,
+        table_width,
+        scale_log2,
+        RATIO: tl.constexpr,
+        TOPK: tl.constexpr,
+        HEADS_PER_KV: tl.constexpr,
+        NUM_Q_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+    ):
+        # One program per (token, KV head, split): the query heads of that KV head (padded to
+        # BLOCK_H >= 16 rows for tl.dot) against a contiguous share of the token's key list.
+        # The key list of a token at p: with TOPK > 0, slot j < n_sel * RATIO is position
+        # selected[j // RATIO] * RATIO + j % RATIO (n_sel = min(complete, TOPK)), then the open
+        # group complete * RATIO .. p; with TOPK == 0 (dense), position j for j in 0..p. Each key
+        # row is read once, through the block table; the softmax is online, in fp32 (log2 domain).
+        token = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        req = tl.load(req_ptr + token)
+        position = tl.load(pos_ptr + token).to(tl.int64)
+        if TOPK > 0:
+            complete = (position + 1) // RATIO
+            n_sel = tl.minimum(complete, TOPK)
+            n_keys = n_sel * RATIO + (position + 1 - complete * RATIO)
+        else:
+            complete = position * 0
+            n_sel = position * 0
+            n_keys = position + 1
+        n_keys = tl.where(req >= 0, n_keys, 0)
+        n_tiles = tl.cdiv(n_keys, BLOCK_N)
+        tile_begin = split * n_tiles // NUM_SPLITS
+        tile_end = (split + 1) * n_tiles // NUM_SPLITS
+        table_row = table_ptr + tl.maximum(req, 0).to(tl.int64) * stride_table_req
+
+        heads = tl.arange(0, BLOCK_H)
+        heads_ok = heads < HEADS_PER_KV
+        head_index = kv_head * HEADS_PER_KV + heads
+        dims = tl.arange(0, BLOCK_D)
+        dims_ok = dims < HEAD_DIM
+        q = tl.load(
+            q_ptr + token * stride_q_token + head_index[:, None] * stride_q_head + dims[None, :] * stride_q_dim,
+            mask=heads_ok[:, None] & dims_ok[None, :],
+            other=0.0,
+        )
+        # A finite floor instead of -inf: exp2(m_old - m_new) stays defined while all keys seen
+        # so far are masked (masked scores are -inf, so they still add exactly 0).
+        m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+        normalizer = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for tile in range(tile_begin, tile_end):
+            j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = j < n_keys
+            if TOPK > 0:
+                in_selection = j < n_sel * RATIO
+                group = tl.load(
+                    selected_ptr + token * stride_selected_token + j // RATIO, mask=ok & in_selection, other=-1
+                ).to(tl.int64)
+                key_pos = tl.where(in_selection, group * RATIO + j % RATIO, complete * RATIO + j - n_sel * RATIO)
+                ok = ok & ((group >= 0) | ~in_selection)
+            else:
+                key_pos = j
+            ok = ok & (key_pos >= 0) & (key_pos <= position)
+            logical = tl.minimum(tl.maximum(key_pos, 0) // BLOCK_SIZE, table_width - 1)
+            block = tl.load(table_row + logical * stride_table_block, mask=ok, other=0).to(tl.int64)
+            row = (
+                kv_ptr
+                + block * stride_cache_block
+                + kv_head * stride_cache_head
+                + (key_pos % BLOCK_SIZE) * stride_cache_row
+            )
+            row_ok = ok[:, None] & dims_ok[None, :]
+            k = tl.load(row[:, None] + dims[None, :] * stride_cache_feature, mask=row_ok, other=0.0)
+            v = tl.load(row[:, None] + (HEAD_DIM + dims)[None, :] * stride_cache_feature, mask=row_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") if FP32_DOT else tl.dot(q, tl.trans(k))
+            s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            normalizer = normalizer * alpha + tl.sum(p, axis=1)
+            if FP32_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                # Half-precision probabilities into the tensor-core product, as flash attention does.
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        if NUM_SPLITS == 1:
+            _gated_output(
+                acc, normalizer, gate_ptr + token * stride_gate_token, out_ptr + token * stride_out_token, heads_ok,
+                head_index, dims, HEAD_DIM,
+            )  # fmt: skip
+        else:
+            # Unnormalised partials [split, token, q head, D] and (max, sum) [split, token, q head, 2].
+            part = (split * num_tokens + token) * NUM_Q_HEADS + head_index
+            tl.store(
+                partial_acc_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :],
+                acc,
+                mask=heads_ok[:, None] & dims_ok[None, :],
+            )
+            tl.store(partial_ml_ptr + part * 2, m, mask=heads_ok)
+            tl.store(partial_ml_ptr + part * 2 + 1, normalizer, mask=heads_ok)
+
+    @triton.jit
+    def _merge_splits_kernel(  # type: ignore[no-untyped-def]
+        partial_acc_ptr,
+        partial_ml_ptr,
+        gate_ptr,
+        out_ptr,
+        stride_gate_token,
+        stride_out_token,
+        num_tokens,
+        NUM_Q_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # One program per (token, query head): rescale each split's partial to the common max.
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        splits = tl.arange(0, BLOCK_S)
+        splits_ok = splits < NUM_SPLITS
+        part = (splits * num_tokens + token) * NUM_Q_HEADS + head
+        m = tl.load(partial_ml_ptr + part * 2, mask=splits_ok, other=-1.0e30)
+        normalizer = tl.load(partial_ml_ptr + part * 2 + 1, mask=splits_ok, other=0.0)
+        m_all = tl.max(m, axis=0)
+        weight = tl.where(splits_ok, tl.exp2(m - m_all), 0.0)
+        dims = tl.arange(0, BLOCK_D)
+        acc = tl.load(
+            partial_acc_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :],
+            mask=splits_ok[:, None] & (dims < HEAD_DIM)[None, :],
+            other=0.0,
+        )
+        merged = tl.sum(acc * weight[:, None], axis=0)[None, :]
+        total = tl.sum(normalizer * weight, axis=0) + tl.zeros([1], tl.float32)
+        _gated_output(
+            merged, total, gate_ptr + token * stride_gate_token, out_ptr + token * stride_out_token,
+            tl.full([1], 1, tl.int1), head + tl.zeros([1], tl.int32), dims, HEAD_DIM,
+        )  # fmt: skip
+
+
+def _block(n: int, floor: int = 16) -> int:
+    """A power-of-two tile of at least ``floor`` covering n (tl.arange and tl.dot need them)."""
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Cache writes
+# ---------------------------------------------------------------------------------------------
+
+
+def write_kv_torch(kv_cache: torch.Tensor, kv_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Reference of `write_kv` (a boolean mask: syncs on CUDA)."""
+    block_size = kv_cache.shape[2]
+    keep = kv_slots >= 0
+    slots = kv_slots[keep]
+    # Index the cache view itself: a reshaped copy of a strided view would drop the write.
+    kv_cache[slots // block_size, :, slots % block_size] = torch.cat([k[keep], v[keep]], dim=-1).to(kv_cache.dtype)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, kv_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto"
+) -> None:
+    """Store K and V ``[T, Hkv, D]`` of a step into ``kv_cache [NB, Hkv, BS, 2 * D]`` at
+    ``kv_slots [T] int64`` (block * BS + row; < 0: skipped), cast to the cache dtype."""
+    tokens, heads, dim = k.shape
+    if v.shape != k.shape or kv_cache.shape[1] != heads or kv_cache.shape[3] != 2 * dim or kv_slots.shape != (tokens,):
+        raise ValueError(
+            f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(kv_slots.shape)} do not fit the "
+            f"cache {tuple(kv_cache.shape)} ([NB, Hkv, BS, 2 * D])"
+        )
+    if not use_triton(kv_cache, backend):
+        write_kv_torch(kv_cache, kv_slots, k, v)
+        return
+    if tokens == 0:
+        return
+    _write_kv_kernel[(tokens, heads)](
+        kv_cache, kv_slots, k, v, *kv_cache.stride(), *k.stride(), *v.stride(),
+        BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=dim, BLOCK_D=_block(dim, 1),
+    )  # fmt: skip
+
+
+def write_rows_torch(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Reference of `write_rows` (a boolean mask: syncs on CUDA)."""
+    rows_per_block = cache.shape[2]
+    keep = slots >= 0
+    kept = slots[keep]
+    cache[kept // rows_per_block, 0, kept % rows_per_block] = values[keep].to(cache.dtype)
+
+
+def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, *, backend: str = "auto") -> None:
+    """Store ``values [T, F]`` into a one-head cache ``[NB, 1, rows, F]`` (the key cache or the
+    ring) at ``slots [T] int64`` (block * rows + row; < 0: skipped), cast to the cache dtype."""
+    tokens, features = values.shape
+    if cache.shape[1] != 1 or cache.shape[3] != features or slots.shape != (tokens,):
+        raise ValueError(
+            f"write_rows: values {tuple(values.shape)}, slots {tuple(slots.shape)} do not fit the cache "
+            f"{tuple(cache.shape)} ([NB, 1, rows, F])"
+        )
+    if not use_triton(cache, backend):
+        write_rows_torch(cache, slots, values)
+        return
+    if tokens == 0:
+        return
+    _write_rows_kernel[(tokens,)](
+        cache, slots, values, cache.stride(0), cache.stride(2), cache.stride(3), *values.stride(),
+        ROWS_PER_BLOCK=cache.shape[2], FEATURES=features, BLOCK_F=_block(features, 1),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Group keys
+# ---------------------------------------------------------------------------------------------
+
+
+def group_keys(
+    raw_keys: torch.Tensor,
+    ring_cache: torch.Tensor,
+    ring_block: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    step_start: torch.Tensor,
+    *,
+    ratio: int,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    rope_theta: float,
+    rotary_dim: int,
+) -> torch.Tensor:
+    """For every token, the compressed key of the group ending at it, as if it closed the group.
+
+    raw_keys ``[T, Di]`` (this step's raw indexer keys), ring_cache ``[NBr, 1, cap, Di]``,
+    ring_block ``[R] int32``, token_req ``[T] int32``, positions ``[T] int64``, step_start
+    ``[R] int32``. Returns ``[T, Di]`` in raw_keys.dtype: `ops.qsa.block_keys` of positions
+    ``p - ratio + 1 .. p`` (fp32 mean rounded to the model dtype, RMS-normed with ``1 + w``,
+    rotated at the group's first position). Member q is this step's row ``t - (p - q)`` when
+    ``q >= step_start[req]``, else ring row ``q % cap`` (an earlier step wrote it): call this
+    before the step's ring write. Rows of tokens that close a group (``(p + 1) % ratio == 0``)
+    are the keys to store; other rows (and padding tokens) are finite but meaningless.
+    Plain torch on any device, no host syncs; tokens in chunks to bound the ``[T, ratio, Di]`` gather.
+    """
+    tokens, dim = raw_keys.shape
+    capacity = ring_cache.shape[2]
+    if ring_cache.shape[1] != 1 or ring_cache.shape[3] != dim or capacity < ratio:
+        raise ValueError(f"group_keys: ring {tuple(ring_cache.shape)} does not hold {ratio}-key groups of {dim}")
+    device = raw_keys.device
+    out = torch.empty_like(raw_keys)
+    offsets = torch.arange(1 - ratio, 1, device=device)  # member q = p + offset, row t + offset
+    step = _rows(tokens, ratio * dim * (raw_keys.element_size() + 4), REFERENCE_GATHER_BYTES)
+    for begin in range(0, tokens, step):
+        end = min(tokens, begin + step)
+        req = token_req[begin:end].long()
+        real = req >= 0
+        req = req.clamp(min=0)
+        pos = positions[begin:end].long()
+        member = pos[:, None] + offsets  # [C, ratio] positions
+        row = (torch.arange(begin, end, device=device)[:, None] + offsets).clamp(0, max(tokens - 1, 0))
+        from_step = member >= step_start.long()[req][:, None]
+        ring = ring_cache[ring_block.long()[req][:, None], 0, member % capacity]  # [C, ratio, Di]
+        members = torch.where(from_step[..., None], raw_keys[row], ring)
+        # Positions before 0 (tokens that close no group) and padding tokens: zeros, not whatever
+        # the ring row holds (it may never have been written).
+        members = members.masked_fill(~((member >= 0) & real[:, None])[..., None], 0)
+        pooled = members.float().mean(dim=1).to(raw_keys.dtype)
+        pooled = rms_norm(pooled, k_norm_weight, eps)
+        cos, sin = rotary_cos_sin((pos - (ratio - 1)).clamp(min=0), rotary_dim, rope_theta, raw_keys.dtype)
+        out[begin:end] = apply_partial_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Index top-k
+# ---------------------------------------------------------------------------------------------
+
+
+def index_scores_torch(
+    index_q: torch.Tensor,
+    key_cache: torch.Tensor,
+    key_block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    complete: torch.Tensor,
+    *,
+    topk: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of the group scores: ``out [C, max_groups]`` fp32 gets ``sum_h relu(q_h . key_g)
+    / sqrt(Di)`` for g < complete and -inf elsewhere; rows with ``complete <= topk`` (which select
+    every complete group without scores) are all -inf."""
+    rows, max_groups = out.shape
+    dim = index_q.shape[-1]
+    per_block = key_cache.shape[2]
+    req = token_req.long().clamp(min=0)
+    q = index_q.float()
+    chunk = _rows(max_groups, rows * dim * (key_cache.element_size() + 4), REFERENCE_GATHER_BYTES)
+    for begin in range(0, max_groups, chunk):
+        groups = torch.arange(begin, min(max_groups, begin + chunk), device=out.device)
+        blocks = _lookup(key_block_table, req[:, None], (groups // per_block)[None, :])  # [C, G]
+        keys = key_cache[blocks, 0, (groups % per_block)[None, :]].float()  # [C, G, Di]
+        scores = torch.relu(torch.einsum("chd,cgd->cgh", q, keys)).sum(-1) / math.sqrt(dim)
+        scored = (groups[None, :] < complete[:, None]) & (complete[:, None] > topk)
+        out[:, begin : begin + groups.shape[0]] = torch.where(scored, scores, -math.inf)
+    return out
+
+
+def index_scores_triton(
+    index_q: torch.Tensor,
+    key_cache: torch.Tensor,
+    key_block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    complete: torch.Tensor,
+    *,
+    topk: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """`index_scores_torch` through `_index_scores_kernel` (which loads nothing for -inf tiles)."""
+    rows, max_groups = out.shape
+    if rows == 0 or max_groups == 0:
+        return out
+    heads, dim = index_q.shape[1:]
+    block_g = 64
+    _index_scores_kernel[(rows, triton.cdiv(max_groups, block_g))](
+        index_q, key_cache, key_block_table, token_req, complete, out, *index_q.stride(), key_cache.stride(0),
+        key_cache.stride(2), key_cache.stride(3), *key_block_table.stride(), out.stride(0), max_groups,
+        key_block_table.shape[1], math.sqrt(dim),
+        TOPK=topk, NUM_HEADS=heads, HEAD_DIM=dim, ROWS_PER_BLOCK=key_cache.shape[2], BLOCK_G=block_g,
+        BLOCK_H=_block(heads), BLOCK_D=_block(dim), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def index_topk(
+    index_q: torch.Tensor,
+    key_cache: torch.Tensor,
+    key_block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    ratio: int,
+    topk: int,
+    max_groups: int,
+    backend: str = "auto",
+    max_score_bytes: int = INDEX_SCORE_BYTES,
+) -> torch.Tensor:
+    """The complete groups each token attends to: ``selected [T, topk] int32``.
+
+    index_q ``[T, Hi, Di]`` fp32 (normed, rotated: `ops.qsa.index_queries`), key_cache
+    ``[NBk, 1, BS // ratio, Di]``, key_block_table ``[R, max_blocks] int32``, token_req ``[T]``,
+    positions ``[T]``; ``topk`` = indexer_budget // ratio groups; ``max_groups`` a static bound on
+    any token's complete groups (e.g. max_model_len // ratio; shapes depend on it, not on data).
+    For a token at p, ``complete = (p + 1) // ratio``: if complete <= topk the row is
+    ``0 .. complete - 1`` then -1; else the topk groups among 0..complete-1 with the highest
+    ``sum_h relu(q_h . key_g) / sqrt(Di)`` (fp32, keys upcast), in ascending order — the groups of
+    `ops.qsa.select_with_index_queries`. Padding tokens get -1 rows.
+
+    Ties: a group scoring strictly above the topk-th score is always chosen; among groups that tie
+    exactly at the topk-th score (e.g. several all-relu-zero groups), the choice is torch.topk's,
+    which is implementation-defined and may differ between CPU and CUDA and from the oracle's
+    topk over exactly the complete groups. Scores are rounded differently by the Triton kernel
+    and by torch (summation order), so a near-tie within an ulp may also resolve differently.
+
+    Memory: the scores of at most ``max_score_bytes // (4 * max_groups)`` query rows exist at a time.
+    """
+    tokens = index_q.shape[0]
+    device = index_q.device
+    if index_q.shape[2] != key_cache.shape[3] or key_cache.shape[1] != 1:
+        raise ValueError(f"index_topk: queries {tuple(index_q.shape)} do not fit key cache {tuple(key_cache.shape)}")
+    real = token_req >= 0
+    complete = torch.where(real, (positions.long() + 1) // ratio, 0).clamp(max=max_groups)
+    ranks = torch.arange(topk, device=device)
+    all_groups = torch.where(ranks[None, :] < complete[:, None], ranks[None, :], -1)  # complete <= topk
+    if max_groups <= topk or tokens == 0:
+        return all_groups.to(torch.int32)
+    scores_fn = index_scores_triton if use_triton(index_q, backend) else index_scores_torch
+    selected = torch.empty(tokens, topk, dtype=torch.int32, device=device)
+    step = _rows(tokens, 4 * max_groups, max_score_bytes)
+    scores = torch.empty(step, max_groups, dtype=torch.float32, device=device)
+    for begin in range(0, tokens, step):
+        end = min(tokens, begin + step)
+        rows = scores[: end - begin]
+        scores_fn(
+            index_q[begin:end],
+            key_cache,
+            key_block_table,
+            token_req[begin:end],
+            complete[begin:end],
+            topk=topk,
+            out=rows,
+        )
+        chosen = rows.topk(topk, dim=1, sorted=False).indices.sort(dim=1).values
+        selected[begin:end] = torch.where(complete[begin:end, None] > topk, chosen, all_groups[begin:end])
+    return selected
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Sparse attention
+# ---------------------------------------------------------------------------------------------
+
+
+def key_positions(
+    positions: torch.Tensor, token_req: torch.Tensor, selected: torch.Tensor | None, *, ratio: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key list of each token: (positions ``[T, width]`` int64, valid ``[T, width]`` bool).
+
+    With ``selected``: slot j < n_sel * ratio (n_sel = min(complete, topk)) is position
+    ``selected[t, j // ratio] * ratio + j % ratio`` (valid where that group is >= 0), then the open
+    group ``complete * ratio .. p``; without: positions 0..p. Only the first n_sel entries of a
+    selection row are read (`index_topk` puts its groups there). Padding tokens: nothing valid.
+    """
+    pos = positions.long()
+    j = torch.arange(width, device=pos.device)[None, :]
+    if selected is None:
+        n_keys = pos + 1
+        key_pos = j.expand(pos.shape[0], width)
+        valid = j < n_keys[:, None]
+    else:
+        topk = selected.shape[1]
+        complete = (pos + 1) // ratio
+        n_sel = complete.clamp(max=topk)[:, None]
+        n_keys = n_sel * ratio + (pos + 1 - complete * ratio)[:, None]
+        in_selection = j < n_sel * ratio
+        group = selected.long().gather(1, (j // ratio).clamp(max=topk - 1).expand(pos.shape[0], width))
+        key_pos = torch.where(in_selection, group * ratio + j % ratio, complete[:, None] * ratio + j - n_sel * ratio)
+        valid = (j < n_keys) & (group.ge(0) | ~in_selection)
+    valid = valid & (key_pos >= 0) & (key_pos <= pos[:, None]) & (token_req >= 0)[:, None]
+    return key_pos, valid
+
+
+def sparse_attention_torch(
+    q: torch.Tensor,
+    gate: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    selected: torch.Tensor | None,
+    *,
+    ratio: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of `sparse_attention`: gathers each token's keys (`key_positions`) in chunks of
+    tokens. Dense (``selected=None``) reads the longest position back to size its gather (a sync)."""
+    tokens, heads, dim = q.shape
+    kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    if out is None:
+        out = torch.empty(tokens, heads * dim, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    width = int(positions.max()) + 1 if selected is None else (selected.shape[1] + 1) * ratio
+    step = _rows(tokens, width * kv_heads * 2 * dim * (kv_cache.element_size() + 4), REFERENCE_GATHER_BYTES)
+    for begin in range(0, tokens, step):
+        end = min(tokens, begin + step)
+        req = token_req[begin:end]
+        key_pos, valid = key_positions(
+            positions[begin:end], req, None if selected is None else selected[begin:end], ratio=ratio, width=width
+        )
+        blocks = _lookup(kv_block_table, req.long().clamp(min=0)[:, None], key_pos.clamp(min=0) // block_size)
+        kv = kv_cache[blocks, :, key_pos.clamp(min=0) % block_size].float()  # [C, L, Hkv, 2D]
+        kv = kv.masked_fill(~valid[..., None, None], 0.0)  # unwritten rows may hold NaN
+        k, v = kv[..., :dim], kv[..., dim:]
+        qg = q[begin:end].float().unflatten(1, (kv_heads, heads // kv_heads))  # [C, Hkv, G, D]
+        scores = torch.einsum("ckgd,clkd->ckgl", qg, k) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
+        probs = torch.softmax(scores, dim=-1).masked_fill(~valid[:, None, None, :], 0.0)  # no NaN rows
+        attended = torch.einsum("ckgl,clkd->ckgd", probs, v).to(q.dtype).flatten(1)
+        out[begin:end] = attended * torch.sigmoid(gate[begin:end])
+    return out
+
+
+@cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def attention_splits(tokens: int, kv_heads: int, max_keys: int | None, device: torch.device, block_n: int) -> int:
+    """How many programs share one (token, KV head)'s keys: enough programs for two waves over
+    the device's multiprocessors (decode of few requests), at most one tile of keys each and 64."""
+    programs = max(1, tokens * kv_heads)
+    wanted = -(-2 * _multiprocessors(device) // programs)
+    tiles = 64 if max_keys is None else -(-max_keys // block_n)
+    return max(1, min(wanted, tiles, 64))
+
+
+def sparse_attention_triton(
+    q: torch.Tensor,
+    gate: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    selected: torch.Tensor | None,
+    *,
+    ratio: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int = 32,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """`sparse_attention` through `_sparse_attention_kernel` (plus `_merge_splits_kernel` when a
+    token's keys are split over several programs; ``num_splits`` None: `attention_splits`)."""
+    tokens, heads, dim = q.shape
+    kv_heads = kv_cache.shape[1]
+    if out is None:
+        out = torch.empty(tokens, heads * dim, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    topk = 0 if selected is None else selected.shape[1]
+    gate = gate if gate.stride(1) == 1 else gate.contiguous()  # the kernel reads a token's gate row flat
+    if num_splits is None:
+        max_keys = None if selected is None else (topk + 1) * ratio
+        num_splits = attention_splits(tokens, kv_heads, max_keys, q.device, block_n)
+    if num_splits > 1:
+        partial_acc = torch.empty(num_splits, tokens, heads, dim, dtype=torch.float32, device=q.device)
+        partial_ml = torch.empty(num_splits, tokens, heads, 2, dtype=torch.float32, device=q.device)
+    else:
+        partial_acc = partial_ml = out  # never touched: NUM_SPLITS == 1 compiles their stores out
+    sel = token_req if selected is None else selected  # any int tensor: never read when TOPK == 0
+    block_d = _block(dim)
+    _sparse_attention_kernel[(tokens, kv_heads, num_splits)](
+        q, gate, kv_cache, kv_block_table, token_req, positions, sel, out, partial_acc, partial_ml,
+        *q.stride(), gate.stride(0), *kv_cache.stride(), *kv_block_table.stride(),
+        0 if selected is None else selected.stride(0), out.stride(0), tokens, kv_block_table.shape[1],
+        scale * math.log2(math.e),
+        RATIO=ratio, TOPK=topk, HEADS_PER_KV=heads // kv_heads, NUM_Q_HEADS=heads, HEAD_DIM=dim,
+        BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=_block(heads // kv_heads), BLOCK_D=block_d, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, FP32_DOT=q.dtype == torch.float32, num_warps=num_warps,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(tokens, heads)](
+            partial_acc, partial_ml, gate, out, gate.stride(0), out.stride(0), tokens,
+            NUM_Q_HEADS=heads, HEAD_DIM=dim, NUM_SPLITS=num_splits, BLOCK_S=_block(num_splits, 1), BLOCK_D=block_d,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    gate: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    selected: torch.Tensor | None,
+    *,
+    ratio: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Gated attention of every token of a step over its selected groups and its open group.
+
+    q ``[T, Hq, D]`` (normed, rotated), gate ``[T, Hq * D]``, kv_cache ``[NB, Hkv, BS, 2 * D]``
+    (the step's K/V already written), kv_block_table ``[R, max_blocks] int32``, token_req ``[T]``,
+    positions ``[T]``, selected ``[T, topk] int32`` from `index_topk` (None: a layer without an
+    indexer, dense causal over 0..p). The token at p attends to the positions of its selected
+    groups (``g * ratio .. g * ratio + ratio - 1``; only the first min(complete, topk) entries are
+    read, -1 entries skipped) and to its open group ``complete * ratio .. p``. Query head h reads KV
+    head ``h // (Hq // Hkv)``. Scores and softmax in fp32; the result, rounded to q.dtype, times
+    ``sigmoid(gate)``, as `ops.qsa.gated_attention`. Returns (or fills ``out``) ``[T, Hq * D]`` in
+    q.dtype; padding tokens get zeros.
+
+    The Triton path runs on any CUDA device Triton supports, in fp16, bf16 (sm_80+) and fp32: fp32
+    dots are IEEE fp32 (no tf32); fp16/bf16 dots take the model-dtype q and K and, for P @ V, the
+    probabilities rounded to the model dtype (as flash attention does: a few ulps of the format).
+    """
+    tokens, heads, dim = q.shape
+    kv_heads = kv_cache.shape[1]
+    if (
+        kv_cache.shape[3] != 2 * dim
+        or heads % kv_heads
+        or gate.shape != (tokens, heads * dim)
+        or q.dtype != kv_cache.dtype
+        or (selected is not None and selected.shape[0] != tokens)
+    ):
+        raise ValueError(
+            f"sparse_attention: q {tuple(q.shape)} {q.dtype}, gate {tuple(gate.shape)} and cache "
+            f"{tuple(kv_cache.shape)} {kv_cache.dtype} do not fit (Hq a multiple of Hkv, cache [NB, Hkv, BS, 2 * D], "
+            "one dtype)"
+        )
+    if out is not None and (out.shape != (tokens, heads * dim) or out.dtype != q.dtype or out.stride(1) != 1):
+        raise ValueError(f"sparse_attention: out must be a row-contiguous [{tokens}, {heads * dim}] {q.dtype} tensor")
+    fn: Any = sparse_attention_triton if use_triton(q, backend) else sparse_attention_torch
+    result: torch.Tensor = fn(
+        q, gate, kv_cache, kv_block_table, token_req, positions, selected, ratio=ratio, scale=scale, out=out
+    )
+    return result
+
+
+__all__ = [
+    "HAVE_TRITON",
+    "REFERENCE_ENV",
+    "SlotMappings",
+    "attention_splits",
+    "group_keys",
+    "index_scores_torch",
+    "index_scores_triton",
+    "index_topk",
+    "key_positions",
+    "slot_mappings",
+    "sparse_attention",
+    "sparse_attention_torch",
+    "sparse_attention_triton",
+    "use_triton",
+    "write_kv",
+    "write_kv_torch",
+    "write_rows",
+    "write_rows_torch",
+]

@@ -1,0 +1,250 @@
+"""`ops.qsa_paged`'s Triton kernels against its torch references, on fresh random inputs per case.
+
+Runs under ``TRITON_INTERPRET=1`` on CPU (test_qwen38_qsa_paged.py starts it in a subprocess:
+the interpreter is chosen when a kernel is decorated) and natively on CUDA. Outputs are
+poisoned (NaN) before each run; caches are NaN-poisoned with a dim 0 strided past one page.
+Prints one ``PASS name ...`` / ``FAIL name ...`` line per check; exits non-zero on a failure.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from qwen38_plugin.ops import qsa_paged
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GEN = torch.Generator().manual_seed(1234)
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=GEN).to(dtype).to(DEVICE)
+
+
+def strided_cache(pages: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    storage = torch.full((pages, 2, *shape), float("nan"), dtype=dtype, device=DEVICE)
+    return storage[:, 0], storage
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+
+
+def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.float(), expected.float()
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+
+
+def check_write_kv() -> str:
+    cases = 0
+    for tokens, heads, dim, block_size, dtype in [
+        (7, 2, 16, 4, torch.float32),
+        (5, 1, 24, 8, torch.float16),
+        (9, 3, 8, 2, torch.float32),
+    ]:
+        cache, storage = strided_cache(12, (heads, block_size, 2 * dim), dtype)
+        slots = (block_size + torch.randperm(11 * block_size, generator=GEN)[:tokens]).to(DEVICE)  # never block 0
+        slots[::3] = -1
+        k = randn(tokens, heads, 2 * dim)[..., ::2]  # strided inputs (a view of a wider projection)
+        v = randn(tokens, heads, dim, dtype=dtype)
+        expected = storage.clone()
+        qsa_paged.write_kv_torch(expected[:, 0], slots, k, v)
+        qsa_paged.write_kv(cache, slots, k, v, backend="triton")
+        assert same(storage, expected), f"write_kv {tokens}x{heads}x{dim} {dtype}"
+        cases += 1
+    return f"{cases} cases"
+
+
+def check_write_rows() -> str:
+    cases = 0
+    shapes = [
+        (6, 4, 16, torch.float32),
+        (5, 3, 12, torch.bfloat16),
+        (1, 8, 8, torch.float16),
+        (4, 2, 16, torch.float16),
+    ]
+    for tokens, rows, features, dtype in shapes:
+        cache, storage = strided_cache(5, (1, rows, features), dtype)
+        slots = (rows + torch.randperm(4 * rows, generator=GEN)[:tokens]).to(DEVICE)
+        if tokens > 2:
+            slots[1] = -1
+        # fp32 values into an fp16 cache: cast on the way (not into bf16: the interpreter truncates
+        # fp32 to bf16, where CUDA rounds to nearest even as torch does)
+        values = randn(tokens, features, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+        expected = storage.clone()
+        qsa_paged.write_rows_torch(expected[:, 0], slots, values)
+        qsa_paged.write_rows(cache, slots, values, backend="triton")
+        assert same(storage, expected), f"write_rows {tokens}x{features} {dtype}"
+        cases += 1
+    return f"{cases} cases"
+
+
+def key_cache_case(
+    requests: int, groups: int, rows_per_block: int, dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN-poisoned, strided key cache with ``groups`` random keys per request, shuffled blocks."""
+    per_request = -(-groups // rows_per_block)
+    cache, _ = strided_cache(1 + requests * per_request, (1, rows_per_block, dim), dtype)
+    table = (1 + torch.randperm(requests * per_request, generator=GEN)).view(requests, per_request).to(DEVICE)
+    g = torch.arange(groups, device=DEVICE)
+    for r in range(requests):
+        cache[table[r, g // rows_per_block], 0, g % rows_per_block] = randn(groups, dim, dtype=dtype)
+    return cache, table.int()
+
+
+def check_index_scores() -> str:
+    cases = 0
+    for heads, dim, rows_per_block, max_groups, topk, dtype in [
+        (4, 16, 4, 37, 3, torch.float32),
+        (3, 24, 2, 20, 2, torch.float16),
+        (16, 32, 8, 70, 5, torch.bfloat16),
+    ]:
+        cache, table = key_cache_case(3, max_groups, rows_per_block, dim, dtype)
+        tokens = 8
+        q = randn(tokens, heads, dim)
+        token_req = torch.tensor([0, 0, 1, 2, 2, 2, -1, 1], dtype=torch.int32, device=DEVICE)
+        complete = torch.randint(0, max_groups + 1, (tokens,), generator=GEN).to(DEVICE)
+        complete[1] = topk  # at the budget: no scores
+        complete[6] = 0
+        out = torch.full((tokens, max_groups), float("nan"), device=DEVICE)
+        want = torch.empty_like(out)
+        qsa_paged.index_scores_triton(q, cache, table, token_req, complete, topk=topk, out=out)
+        qsa_paged.index_scores_torch(q, cache, table, token_req, complete, topk=topk, out=want)
+        assert not out.isnan().any(), "index scores: unwritten elements"
+        assert torch.equal(out.isinf(), want.isinf()), "index scores: -inf in other places"
+        finite = want.isfinite()
+        err = rel(out[finite], want[finite]) if finite.any() else 0.0
+        assert err < 1e-5, f"index scores rel err {err:.3g}"
+        cases += 1
+    return f"{cases} cases"
+
+
+def check_index_topk() -> str:
+    cases = 0
+    for heads, dim, ratio, topk, max_groups in [(8, 16, 4, 3, 30), (8, 8, 1, 6, 40), (8, 12, 3, 2, 25)]:
+        cache, table = key_cache_case(2, max_groups, 4, dim, torch.float32)
+        positions = torch.randint(0, max_groups * ratio, (9,), generator=GEN).to(DEVICE)
+        token_req = torch.tensor([0, 0, 0, 0, 1, 1, 1, -1, -1], dtype=torch.int32, device=DEVICE)
+        q = randn(9, heads, dim)
+        args = (q, cache, table, token_req, positions)
+        got = qsa_paged.index_topk(*args, ratio=ratio, topk=topk, max_groups=max_groups, backend="triton")
+        want = qsa_paged.index_topk(*args, ratio=ratio, topk=topk, max_groups=max_groups, backend="torch")
+        assert torch.equal(got, want), f"index_topk ratio {ratio}:\n{got}\n{want}"
+        cases += 1
+    return f"{cases} cases"
+
+
+def attention_case(
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    ratio: int,
+    topk: int,
+    block_size: int,
+    dtype: torch.dtype,
+    dense: bool,
+) -> dict[str, object]:
+    """Random paged K/V (every row of every request written), queries at random positions with a
+    random valid selection (sorted groups, -1 past the complete ones), two padding tokens."""
+    requests, max_len = 3, 80
+    per_request = -(-max_len // block_size)
+    cache, _ = strided_cache(1 + requests * per_request, (kv_heads, block_size, 2 * dim), dtype)
+    table = (1 + torch.randperm(requests * per_request, generator=GEN)).view(requests, per_request).to(DEVICE)
+    pos = torch.arange(max_len, device=DEVICE)
+    for r in range(requests):
+        cache[table[r, pos // block_size], :, pos % block_size] = randn(max_len, kv_heads, 2 * dim, dtype=dtype)
+    token_req = torch.tensor([*sorted(torch.randint(0, requests, (tokens - 2,), generator=GEN).tolist()), -1, -1])
+    positions = torch.randint(0, max_len, (tokens,), generator=GEN)
+    selected = torch.full((tokens, topk), -1, dtype=torch.int32)
+    for t in range(tokens):
+        complete = (int(positions[t]) + 1) // ratio
+        if complete <= topk:
+            selected[t, :complete] = torch.arange(complete, dtype=torch.int32)
+        else:
+            selected[t] = torch.randperm(complete, generator=GEN)[:topk].sort().values.int()
+    return {
+        "q": randn(tokens, heads, dim, dtype=dtype),
+        "gate": randn(tokens, heads * dim, dtype=dtype),
+        "kv_cache": cache,
+        "kv_block_table": table.int(),
+        "token_req": token_req.int().to(DEVICE),
+        "positions": positions.to(DEVICE),
+        "selected": None if dense else selected.to(DEVICE),
+    }
+
+
+def check_attention(splits: list[int], which: list[int] | None = None) -> str:
+    cases, worst = 0, {torch.float32: 0.0, torch.float16: 0.0}
+    shapes = [  # tokens, Hq, Hkv, D, ratio, topk, BS, dtype, dense
+        (6, 4, 2, 16, 4, 3, 8, torch.float32, False),
+        (5, 6, 2, 24, 3, 4, 6, torch.float32, False),  # head group of 3, D not a power of two
+        (4, 2, 2, 16, 1, 5, 4, torch.float32, False),  # ratio 1, MHA
+        (5, 16, 1, 16, 4, 2, 16, torch.float32, False),  # 16 query heads per KV head
+        (4, 4, 2, 16, 4, 3, 8, torch.float32, True),  # dense (no indexer)
+        (4, 4, 2, 32, 4, 3, 8, torch.float16, False),
+    ]
+    for index, (tokens, heads, kv_heads, dim, ratio, topk, block_size, dtype, dense) in enumerate(shapes):
+        if which is not None and index not in which:
+            continue
+        for num_splits in splits:
+            case = attention_case(tokens, heads, kv_heads, dim, ratio, topk, block_size, dtype, dense)
+            kwargs = {"ratio": ratio, "scale": dim**-0.5}
+            want = qsa_paged.sparse_attention_torch(*case.values(), **kwargs)  # type: ignore[arg-type]
+            out = torch.full_like(want, float("nan"))
+            qsa_paged.sparse_attention_triton(
+                *case.values(),
+                **kwargs,
+                out=out,
+                num_splits=num_splits,  # type: ignore[arg-type]
+                block_n=16,
+            )
+            assert not out.isnan().any(), f"attention: unwritten or NaN outputs ({dtype}, splits {num_splits})"
+            err = rel(out[:-2], want[:-2])  # padding rows: don't-care (finite, checked above)
+            tol = 1e-5 if dtype == torch.float32 else 4 * 2**-10
+            assert err < tol, (
+                f"attention rel err {err:.3g} (Hq {heads} Hkv {kv_heads} D {dim} ratio {ratio} "
+                f"{'dense' if dense else 'sparse'} {dtype} splits {num_splits})"
+            )
+            worst[dtype] = max(worst[dtype], err)
+            cases += 1
+    return f"{cases} cases, worst rel err fp32 {worst[torch.float32]:.2e}, fp16 {worst[torch.float16]:.2e}"
+
+
+def check_imports_without_vllm() -> str:
+    # this process imported torch, triton and qsa_paged only
+    assert "vllm" not in sys.modules, "importing qwen38_plugin.ops.qsa_paged imported vllm"
+    return "no vllm in sys.modules"
+
+
+CHECKS: dict[str, Callable[[], str]] = {
+    "write_kv": check_write_kv,
+    "write_rows": check_write_rows,
+    "index_scores": check_index_scores,
+    "index_topk": check_index_topk,
+    "sparse_attention": lambda: check_attention([1]),
+    "merge_splits": lambda: check_attention([3], which=[0, 1, 4, 5]),
+    "imports_without_vllm": check_imports_without_vllm,
+}
+
+
+def main() -> int:
+    failed = 0
+    for name, check in CHECKS.items():
+        started = time.perf_counter()
+        try:
+            result = check()
+            print(f"PASS {name} {result} ({time.perf_counter() - started:.1f} s)", flush=True)
+        except Exception as error:  # report every check, then fail
+            failed += 1
+            print(f"FAIL {name} {error!r}\n{traceback.format_exc()}", flush=True)
+    print(f"device={DEVICE} checks={len(CHECKS)} failed={failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
