@@ -8,6 +8,7 @@ Prints one ``PASS name ...`` / ``FAIL name ...`` line per check; exits non-zero 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -17,7 +18,8 @@ import torch
 
 from qwen38_plugin.ops import qsa_paged
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Under the interpreter the kernels run on CPU tensors; natively, on CUDA.
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" else "cpu"
 GEN = torch.Generator().manual_seed(1234)
 
 
