@@ -18,8 +18,11 @@ import torch
 
 from qwen38_plugin.ops import qsa_paged
 
-# Under the interpreter the kernels run on CPU tensors; natively, on CUDA.
+# Under the interpreter the kernels run on CPU tensors; natively, on CUDA. The interpreter rounds
+# fp32 to bf16 by truncation (CUDA and torch round to nearest even) and its bf16 tl.dot is wrong, so
+# the bf16 cases of the kernels that round or multiply in bf16 run natively only.
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" else "cpu"
+NATIVE = DEVICE == "cuda"
 GEN = torch.Generator().manual_seed(1234)
 
 
@@ -99,11 +102,14 @@ def key_cache_case(
 
 
 def check_index_scores() -> str:
+    # both forms of the kernel: fp32 FMA (sm_70, fp32 keys) and tensor cores on split queries (sm_80+)
     cases = 0
-    for heads, dim, rows_per_block, max_groups, topk, dtype in [
-        (4, 16, 4, 37, 3, torch.float32),
-        (3, 24, 2, 20, 2, torch.float16),
-        (16, 32, 8, 70, 5, torch.bfloat16),
+    for heads, dim, rows_per_block, max_groups, topk, dtype, parts in [
+        (4, 16, 4, 37, 3, torch.float32, 0),
+        (3, 24, 2, 20, 2, torch.float16, 0),
+        (16, 32, 8, 70, 5, torch.bfloat16, 0),
+        (4, 16, 4, 37, 3, torch.float16, 2),
+        *([(16, 32, 8, 70, 5, torch.bfloat16, 3)] if NATIVE else []),
     ]:
         cache, table = key_cache_case(3, max_groups, rows_per_block, dim, dtype)
         tokens = 8
@@ -114,15 +120,78 @@ def check_index_scores() -> str:
         complete[6] = 0
         out = torch.full((tokens, max_groups), float("nan"), device=DEVICE)
         want = torch.empty_like(out)
-        qsa_paged.index_scores_triton(q, cache, table, token_req, complete, topk=topk, out=out)
+        qsa_paged.index_scores_triton(q, cache, table, token_req, complete, topk=topk, out=out, split_parts=parts)
         qsa_paged.index_scores_torch(q, cache, table, token_req, complete, topk=topk, out=want)
         assert not out.isnan().any(), "index scores: unwritten elements"
         assert torch.equal(out.isinf(), want.isinf()), "index scores: -inf in other places"
         finite = want.isfinite()
         err = rel(out[finite], want[finite]) if finite.any() else 0.0
-        assert err < 1e-5, f"index scores rel err {err:.3g}"
+        assert err < 1e-5, f"index scores rel err {err:.3g} ({dtype}, split parts {parts})"
         cases += 1
     return f"{cases} cases"
+
+
+def check_select_groups() -> str:
+    # random rows, rows of many exact ties (quantised scores, zeros), rows at or under the budget,
+    # rows wider than one register block (several chunks)
+    cases = 0
+    # (rows, groups, topk, block): rows of at most `block` scores held in registers (the kernel
+    # bisects for the threshold), longer ones in chunks (torch.topk gives the threshold)
+    for rows, groups, topk, block in [
+        (6, 40, 5, None),
+        (5, 300, 17, 128),
+        *([(3, 9000, 40, None)] if NATIVE else [(3, 3000, 40, 1024)]),
+    ]:
+        scores = randn(rows, groups)
+        scores[1] = (scores[1] * 2).round().clamp(min=0)  # a handful of values, many zeros
+        scores[2] = 0.0
+        scores[2, 7] = -0.0 if groups > 7 else 0.0  # -0.0 ties with +0.0
+        complete = torch.randint(topk + 1, groups + 1, (rows,), generator=GEN).to(DEVICE)
+        complete[0] = topk  # at the budget
+        if rows > 4:
+            complete[4] = 1
+        for r in range(rows):
+            scores[r, int(complete[r]) :] = float("-inf")
+        out = torch.full((rows, topk), -7, dtype=torch.int32, device=DEVICE)
+        qsa_paged.select_groups_triton(scores, complete, topk, out, block=block)
+        want = qsa_paged.select_groups_torch(scores, complete, topk)
+        assert torch.equal(out.long(), want), f"select groups {rows}x{groups} top {topk}:\n{out}\n{want}"
+        # the rule itself, for the all-ties row: the lowest groups
+        assert out[2].tolist() == list(range(topk)), out[2]
+        cases += 1
+    return f"{cases} cases"
+
+
+def check_group_keys() -> str:
+    cases, worst = 0, 0.0
+    shapes = [(4, 8, 16, 8, torch.float32), (3, 6, 12, 12, torch.float16), (1, 2, 8, 4, torch.float32)]
+    if NATIVE:
+        shapes.append((4, 4, 32, 16, torch.bfloat16))
+    for ratio, capacity, dim, rotary, dtype in shapes:
+        # three requests continuing earlier steps: starts inside a group, at a boundary, at 0
+        starts, counts = [ratio + 1, 2 * ratio, 0], [2 * ratio + 1, ratio, ratio + 2]
+        token_req = torch.tensor([r for r, n in enumerate(counts) for _ in range(n)] + [-1], dtype=torch.int32)
+        positions = torch.tensor([s + i for s, n in zip(starts, counts, strict=True) for i in range(n)] + [0])
+        ring, _ = strided_cache(5, (1, capacity, dim), dtype)
+        ring_block = torch.tensor([3, 1, 4], dtype=torch.int32, device=DEVICE)
+        for r, start in enumerate(starts):  # the ring rows of each request's last positions before the step
+            for p in range(max(0, start - capacity), start):
+                ring[ring_block[r], 0, p % capacity] = randn(dim, dtype=dtype)
+        raw = randn(len(positions), dim, dtype=dtype)
+        kwargs = {"ratio": ratio, "k_norm_weight": randn(dim, dtype=dtype) * 0.2, "eps": 1e-6, "rope_theta": 1e4,
+                  "rotary_dim": rotary}  # fmt: skip
+        args = (raw, ring, ring_block, token_req.to(DEVICE), positions.to(DEVICE),
+                torch.tensor(starts, dtype=torch.int32, device=DEVICE))  # fmt: skip
+        got = qsa_paged.group_keys_triton(*args, **kwargs)  # type: ignore[arg-type]
+        want = qsa_paged.group_keys_torch(*args, **kwargs)  # type: ignore[arg-type]
+        closing = ((positions + 1) % ratio == 0) & (token_req >= 0)
+        assert bool(closing.any()) and torch.isfinite(got).all()
+        err = rel(got[closing.to(DEVICE)], want[closing.to(DEVICE)])
+        tol = {torch.float32: 1e-5, torch.float16: 2 * 2**-10, torch.bfloat16: 2 * 2**-7}[dtype]
+        assert err < tol, f"group keys rel err {err:.3g} (ratio {ratio}, {dtype})"
+        worst = max(worst, err)
+        cases += 1
+    return f"{cases} cases, worst rel err {worst:.2e}"
 
 
 def check_index_topk() -> str:
@@ -227,6 +296,8 @@ CHECKS: dict[str, Callable[[], str]] = {
     "write_kv": check_write_kv,
     "write_rows": check_write_rows,
     "index_scores": check_index_scores,
+    "select_groups": check_select_groups,
+    "group_keys": check_group_keys,
     "index_topk": check_index_topk,
     "sparse_attention": lambda: check_attention([1]),
     "merge_splits": lambda: check_attention([3], which=[0, 1, 4, 5]),

@@ -215,6 +215,80 @@ if HAVE_TRITON:
             tl.store(row + features * stride_cache_feature, value.to(cache_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _group_keys_kernel(  # type: ignore[no-untyped-def]
+        raw_ptr,
+        ring_ptr,
+        ring_block_ptr,
+        req_ptr,
+        pos_ptr,
+        step_start_ptr,
+        weight_ptr,
+        inv_freq_ptr,
+        out_ptr,
+        stride_raw_token,
+        stride_raw_dim,
+        stride_ring_block,
+        stride_ring_row,
+        stride_ring_dim,
+        stride_ring_block_req,
+        stride_out_token,
+        eps,
+        RATIO: tl.constexpr,
+        CAPACITY: tl.constexpr,
+        DIM: tl.constexpr,
+        ROTARY_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # One program per token. A closing token pools its group's raw keys (this step's rows or
+        # the ring), then RMSNorm and RoPE as `ops.common` computes them: each elementwise step in
+        # fp32, rounded to the model dtype where torch rounds. Every feature is computed twice, at
+        # d and at its rotate-half partner, so RoPE needs no exchange between lanes.
+        token = tl.program_id(0)
+        req = tl.load(req_ptr + token)
+        position = tl.load(pos_ptr + token).to(tl.int64)
+        dims = tl.arange(0, BLOCK_D)
+        ok = dims < DIM
+        dtype = out_ptr.dtype.element_ty
+        out = out_ptr + token * stride_out_token + dims
+        if (req >= 0) & ((position + 1) % RATIO == 0):
+            HALF: tl.constexpr = ROTARY_DIM // 2
+            rotated = dims < ROTARY_DIM
+            partner = tl.where(rotated, tl.where(dims < HALF, dims + HALF, dims - HALF), dims)
+            first = position - (RATIO - 1)
+            step_start = tl.load(step_start_ptr + req).to(tl.int64)
+            ring = ring_ptr + tl.load(ring_block_ptr + req * stride_ring_block_req).to(tl.int64) * stride_ring_block
+            total = tl.zeros([BLOCK_D], tl.float32)
+            total_partner = tl.zeros([BLOCK_D], tl.float32)
+            for i in range(RATIO):
+                member = first + i
+                in_step = member >= step_start
+                step_row = raw_ptr + (token - (position - member)) * stride_raw_token
+                ring_row = ring + (member % CAPACITY) * stride_ring_row
+                from_step = ok & in_step
+                from_ring = ok & (member < step_start)
+                total += tl.load(step_row + dims * stride_raw_dim, mask=from_step, other=0.0).to(tl.float32)
+                total += tl.load(ring_row + dims * stride_ring_dim, mask=from_ring, other=0.0).to(tl.float32)
+                total_partner += tl.load(step_row + partner * stride_raw_dim, mask=from_step, other=0.0).to(tl.float32)
+                total_partner += tl.load(ring_row + partner * stride_ring_dim, mask=from_ring, other=0.0).to(tl.float32)
+            # torch's mean multiplies the sum by 1 / n; the pooled key is rounded to the model dtype
+            pooled = (total * (1.0 / RATIO)).to(dtype).to(tl.float32)
+            pooled_partner = (total_partner * (1.0 / RATIO)).to(dtype).to(tl.float32)
+            inv_rms = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) * (1.0 / DIM) + eps)
+            scale = 1.0 + tl.load(weight_ptr + dims, mask=ok, other=0.0).to(tl.float32)
+            scale_partner = 1.0 + tl.load(weight_ptr + partner, mask=ok, other=0.0).to(tl.float32)
+            x = (pooled * inv_rms * scale).to(dtype).to(tl.float32)
+            x_partner = (pooled_partner * inv_rms * scale_partner).to(dtype).to(tl.float32)
+            freq = tl.load(inv_freq_ptr + dims % HALF, mask=rotated, other=0.0)
+            angle = first.to(tl.float32) * freq
+            cos = tl.cos(angle).to(dtype).to(tl.float32)
+            sin = tl.sin(angle).to(dtype).to(tl.float32)
+            half_rotated = tl.where(dims < HALF, -x_partner, x_partner)
+            rope = (x * cos).to(dtype).to(tl.float32) + (half_rotated * sin).to(dtype).to(tl.float32)
+            tl.store(out, tl.where(rotated, rope, x).to(dtype), mask=ok)
+        else:
+            tl.store(out, tl.zeros([BLOCK_D], tl.float32).to(dtype), mask=ok)
+
+    @triton.jit
     def _index_scores_kernel(  # type: ignore[no-untyped-def]
         q_ptr,
         key_ptr,
@@ -241,10 +315,16 @@ if HAVE_TRITON:
         BLOCK_G: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        SPLIT_PARTS: tl.constexpr,
     ):
         # One program per (query row, tile of BLOCK_G groups). Rows with at most TOPK complete
         # groups select all of them (no scores needed) and tiles past the complete groups hold
         # only -inf: neither loads anything.
+        # SPLIT_PARTS 0: fp32 FMA, one index head at a time (sm_70, fp32 keys). SPLIT_PARTS n > 0:
+        # tensor cores (sm_80+) on the half-precision keys, with the fp32 queries split into n parts
+        # in the keys' dtype (q = q1 + q2 + ..., each part the rounding of what is left): every
+        # product is exact in fp32, so 2 fp16 or 3 bf16 parts give fp32-accurate dots (an fp32
+        # tl.dot, IEEE, ran 10x slower on the H200).
         token = tl.program_id(0)
         groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         out = scores_ptr + token * stride_scores_token + groups
@@ -258,24 +338,113 @@ if HAVE_TRITON:
             logical = tl.minimum(groups // ROWS_PER_BLOCK, table_width - 1)
             block = tl.load(table_ptr + req * stride_table_req + logical * stride_table_block, mask=valid, other=0)
             dims = tl.arange(0, BLOCK_D)
-            heads = tl.arange(0, BLOCK_H)
+            dims_ok = dims < HEAD_DIM
             keys = tl.load(
                 key_ptr
                 + block.to(tl.int64)[:, None] * stride_key_block
                 + (groups % ROWS_PER_BLOCK)[:, None] * stride_key_row
                 + dims[None, :] * stride_key_dim,
-                mask=valid[:, None] & (dims < HEAD_DIM)[None, :],
+                mask=valid[:, None] & dims_ok[None, :],
                 other=0.0,
-            ).to(tl.float32)
-            # Heads past NUM_HEADS are zero queries: relu(0) adds nothing. BLOCK_H >= 16 for tl.dot.
-            q = tl.load(
-                q_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :] * stride_q_dim,
-                mask=(heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_G, BLOCK_H], fp32 FMA
-            score = tl.sum(tl.maximum(dots, 0.0), axis=1) / score_divisor
-            tl.store(out, tl.where(valid, score, float("-inf")), mask=in_row)
+            )
+            q_row = q_ptr + token * stride_q_token
+            if SPLIT_PARTS == 0:
+                keys_f32 = keys.to(tl.float32)
+                score = tl.zeros([BLOCK_G], tl.float32)
+                for head in range(NUM_HEADS):  # a loop, not unrolled: 16 copies made a 44 s compile
+                    q = tl.load(q_row + head * stride_q_head + dims * stride_q_dim, mask=dims_ok, other=0.0)
+                    score += tl.maximum(tl.sum(keys_f32 * q.to(tl.float32)[None, :], axis=1), 0.0)
+            else:
+                # Heads past NUM_HEADS are zero queries: relu(0) adds nothing. BLOCK_H >= 16 for tl.dot.
+                heads = tl.arange(0, BLOCK_H)
+                left = tl.load(
+                    q_row + heads[:, None] * stride_q_head + dims[None, :] * stride_q_dim,
+                    mask=(heads < NUM_HEADS)[:, None] & dims_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                part = left.to(keys.dtype)
+                dots = tl.dot(keys, tl.trans(part))  # [BLOCK_G, BLOCK_H]
+                for _ in tl.static_range(SPLIT_PARTS - 1):
+                    left = left - part.to(tl.float32)
+                    part = left.to(keys.dtype)
+                    dots = tl.dot(keys, tl.trans(part), dots)
+                score = tl.sum(tl.maximum(dots, 0.0), axis=1)
+            tl.store(out, tl.where(valid, score / score_divisor, float("-inf")), mask=in_row)
+
+    @triton.jit
+    def _order_key(scores):  # type: ignore[no-untyped-def]
+        """int32 keys that order like the fp32 scores (-0.0 counted as +0.0, as float compares do)."""
+        bits = tl.where(scores == 0.0, 0.0, scores).to(tl.int32, bitcast=True)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _emit_chunk(out, key, key_ok, groups, threshold, ties_taken, ties_seen, taken):  # type: ignore[no-untyped-def]
+        """Store the chunk's chosen groups (keys above the threshold, and ties while fewer than
+        ``ties_taken`` were seen) at their ranks among all chosen so far; returns the new counts."""
+        tie = (key_ok & (key == threshold)).to(tl.int32)
+        tie_rank = ties_seen + tl.cumsum(tie, axis=0)  # 1-based among the row's ties so far
+        take = (key_ok & ((key > threshold) | ((tie == 1) & (tie_rank <= ties_taken)))).to(tl.int32)
+        rank = taken + tl.cumsum(take, axis=0) - take
+        tl.store(out + rank, groups.to(tl.int32), mask=take == 1)
+        return ties_seen + tl.sum(tie, axis=0), taken + tl.sum(take, axis=0)
+
+    @triton.jit
+    def _select_groups_kernel(  # type: ignore[no-untyped-def]
+        scores_ptr,
+        complete_ptr,
+        threshold_ptr,
+        out_ptr,
+        stride_scores_token,
+        stride_out_token,
+        TOPK: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GIVEN_THRESHOLD: tl.constexpr,
+    ):
+        # One program per query row: the TOPK best of its `complete` scores, in ascending group
+        # order; at the TOPK-th score's ties, the lowest groups. Without GIVEN_THRESHOLD the row
+        # (at most BLOCK scores) is held in registers and the TOPK-th largest score is found by
+        # bisection on its 32-bit order key (32 counting passes); with it, the TOPK-th largest
+        # score comes from threshold_ptr and the row is read in BLOCK chunks, only as far as its
+        # complete groups. Then one pass emits the chosen groups, each at its rank among the
+        # chosen (a running prefix sum), so they come out sorted without a sort.
+        token = tl.program_id(0)
+        complete = tl.load(complete_ptr + token)
+        out = out_ptr + token * stride_out_token
+        if complete <= TOPK:
+            ranks = tl.arange(0, BLOCK_K)
+            tl.store(out + ranks, tl.where(ranks < complete, ranks, -1).to(tl.int32), mask=ranks < TOPK)
+        else:
+            row = scores_ptr + token * stride_scores_token
+            offsets = tl.arange(0, BLOCK)
+            above = tl.zeros([], tl.int32)
+            ties_seen = tl.zeros([], tl.int32)
+            taken = tl.zeros([], tl.int32)
+            if GIVEN_THRESHOLD:
+                threshold = _order_key(tl.load(threshold_ptr + token))
+                for chunk in range(tl.cdiv(complete, BLOCK)):
+                    groups = chunk * BLOCK + offsets
+                    key_ok = groups < complete
+                    key = _order_key(tl.load(row + groups, mask=key_ok, other=0.0))
+                    above += tl.sum((key_ok & (key > threshold)).to(tl.int32), axis=0)
+                for chunk in range(tl.cdiv(complete, BLOCK)):
+                    groups = chunk * BLOCK + offsets
+                    key_ok = groups < complete
+                    key = _order_key(tl.load(row + groups, mask=key_ok, other=0.0))
+                    ties_seen, taken = _emit_chunk(out, key, key_ok, groups, threshold, TOPK - above, ties_seen, taken)
+            else:
+                key_ok = offsets < complete
+                key = _order_key(tl.load(row + offsets, mask=key_ok, other=0.0))
+                low = tl.full([], -(2**31), tl.int64)  # count(key >= low) >= TOPK
+                high = tl.full([], 2**31, tl.int64)  # count(key >= high) < TOPK
+                for _ in range(32):
+                    mid = (low + high) // 2
+                    count = tl.sum((key_ok & (key.to(tl.int64) >= mid)).to(tl.int32), axis=0)
+                    low = tl.where(count >= TOPK, mid, low)
+                    high = tl.where(count >= TOPK, high, mid)
+                threshold = low.to(tl.int32)  # the TOPK-th largest key
+                above = tl.sum((key_ok & (key > threshold)).to(tl.int32), axis=0)
+                _emit_chunk(out, key, key_ok, offsets, threshold, TOPK - above, ties_seen, taken)
 
     @triton.jit
     def _gated_output(acc, normalizer, gate_ptr, out_ptr, heads_ok, head_index, dims, HEAD_DIM: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -533,7 +702,7 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, *
 # ---------------------------------------------------------------------------------------------
 
 
-def group_keys(
+def group_keys_torch(
     raw_keys: torch.Tensor,
     ring_cache: torch.Tensor,
     ring_block: torch.Tensor,
@@ -547,22 +716,10 @@ def group_keys(
     rope_theta: float,
     rotary_dim: int,
 ) -> torch.Tensor:
-    """For every token, the compressed key of the group ending at it, as if it closed the group.
-
-    raw_keys ``[T, Di]`` (this step's raw indexer keys), ring_cache ``[NBr, 1, cap, Di]``,
-    ring_block ``[R] int32``, token_req ``[T] int32``, positions ``[T] int64``, step_start
-    ``[R] int32``. Returns ``[T, Di]`` in raw_keys.dtype: `ops.qsa.block_keys` of positions
-    ``p - ratio + 1 .. p`` (fp32 mean rounded to the model dtype, RMS-normed with ``1 + w``,
-    rotated at the group's first position). Member q is this step's row ``t - (p - q)`` when
-    ``q >= step_start[req]``, else ring row ``q % cap`` (an earlier step wrote it): call this
-    before the step's ring write. Rows of tokens that close a group (``(p + 1) % ratio == 0``)
-    are the keys to store; other rows (and padding tokens) are finite but meaningless.
-    Plain torch on any device, no host syncs; tokens in chunks to bound the ``[T, ratio, Di]`` gather.
-    """
+    """Reference of `group_keys`: gathers ``[T, ratio, Di]`` members (tokens in chunks to bound it)
+    and runs `ops.qsa.block_keys`' arithmetic on them. Any device, no host syncs."""
     tokens, dim = raw_keys.shape
     capacity = ring_cache.shape[2]
-    if ring_cache.shape[1] != 1 or ring_cache.shape[3] != dim or capacity < ratio:
-        raise ValueError(f"group_keys: ring {tuple(ring_cache.shape)} does not hold {ratio}-key groups of {dim}")
     device = raw_keys.device
     out = torch.empty_like(raw_keys)
     offsets = torch.arange(1 - ratio, 1, device=device)  # member q = p + offset, row t + offset
@@ -586,6 +743,84 @@ def group_keys(
         cos, sin = rotary_cos_sin((pos - (ratio - 1)).clamp(min=0), rotary_dim, rope_theta, raw_keys.dtype)
         out[begin:end] = apply_partial_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
     return out
+
+
+@cache
+def _inv_freq(theta: float, rotary_dim: int, device: torch.device) -> torch.Tensor:
+    """RoPE's inverse frequencies exactly as `ops.common.rotary_cos_sin` computes them (fp32), made
+    once per device: the first (eager) call makes it, before any CUDA-graph capture."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float, device=device) / rotary_dim
+    return 1.0 / (theta**exponents)
+
+
+def group_keys_triton(
+    raw_keys: torch.Tensor,
+    ring_cache: torch.Tensor,
+    ring_block: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    step_start: torch.Tensor,
+    *,
+    ratio: int,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    rope_theta: float,
+    rotary_dim: int,
+) -> torch.Tensor:
+    """`group_keys` through `_group_keys_kernel` (rows of tokens that close no group are zeros)."""
+    tokens, dim = raw_keys.shape
+    out = torch.empty_like(raw_keys)
+    if tokens == 0:
+        return out
+    inv_freq = _inv_freq(float(rope_theta), rotary_dim, raw_keys.device)
+    _group_keys_kernel[(tokens,)](
+        raw_keys, ring_cache, ring_block, token_req, positions, step_start, k_norm_weight, inv_freq, out,
+        *raw_keys.stride(), ring_cache.stride(0), ring_cache.stride(2), ring_cache.stride(3), ring_block.stride(0),
+        out.stride(0), eps,
+        RATIO=ratio, CAPACITY=ring_cache.shape[2], DIM=dim, ROTARY_DIM=rotary_dim, BLOCK_D=_block(dim, 1), num_warps=1,
+    )  # fmt: skip
+    return out
+
+
+def group_keys(
+    raw_keys: torch.Tensor,
+    ring_cache: torch.Tensor,
+    ring_block: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    step_start: torch.Tensor,
+    *,
+    ratio: int,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    rope_theta: float,
+    rotary_dim: int,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """For every token, the compressed key of the group ending at it, as if it closed the group.
+
+    raw_keys ``[T, Di]`` (this step's raw indexer keys), ring_cache ``[NBr, 1, cap, Di]``,
+    ring_block ``[R] int32``, token_req ``[T] int32``, positions ``[T] int64``, step_start
+    ``[R] int32``, k_norm_weight ``[Di]``. Returns ``[T, Di]`` in raw_keys.dtype: `ops.qsa.block_keys`
+    of positions ``p - ratio + 1 .. p`` (fp32 mean rounded to the model dtype, RMS-normed with
+    ``1 + w``, rotated at the group's first position, ``rotary_dim`` <= Di features). Member q is
+    this step's row ``t - (p - q)`` when ``q >= step_start[req]``, else ring row ``q % cap`` (an
+    earlier step wrote it): call this before the step's ring write. Rows of tokens that close a
+    group (``(p + 1) % ratio == 0``) are the keys to store; other rows (and padding tokens) are
+    finite but meaningless. No host syncs on either path; the Triton path computes cos/sin in the
+    kernel from the same fp32 angles (libdevice cos/sin: within an fp32 ulp of torch's).
+    """
+    dim = raw_keys.shape[1]
+    if ring_cache.shape[1] != 1 or ring_cache.shape[3] != dim or ring_cache.shape[2] < ratio or rotary_dim > dim:
+        raise ValueError(
+            f"group_keys: ring {tuple(ring_cache.shape)} does not hold {ratio}-key groups of {dim} features "
+            f"(rotary dim {rotary_dim})"
+        )
+    fn = group_keys_triton if use_triton(raw_keys, backend) else group_keys_torch
+    return fn(
+        raw_keys, ring_cache, ring_block, token_req, positions, step_start, ratio=ratio, k_norm_weight=k_norm_weight,
+        eps=eps, rope_theta=rope_theta, rotary_dim=rotary_dim,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,6 +857,20 @@ def index_scores_torch(
     return out
 
 
+@cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+def score_split_parts(key_dtype: torch.dtype, capability: tuple[int, int]) -> int:
+    """How `_index_scores_kernel` computes its dots on a device of this compute capability ((0, 0):
+    CPU, the interpreter): 0 (fp32 FMA) for fp32 keys and below sm_80; else tensor cores with the
+    queries split into 2 (fp16) or 3 (bf16) parts of the keys' dtype, fp32-accurate dots."""
+    if key_dtype == torch.float32 or capability < (8, 0):
+        return 0
+    return 2 if key_dtype == torch.float16 else 3
+
+
 def index_scores_triton(
     index_q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -631,19 +880,69 @@ def index_scores_triton(
     *,
     topk: int,
     out: torch.Tensor,
+    split_parts: int | None = None,
 ) -> torch.Tensor:
-    """`index_scores_torch` through `_index_scores_kernel` (which loads nothing for -inf tiles)."""
+    """`index_scores_torch` through `_index_scores_kernel` (which loads nothing for -inf tiles);
+    ``split_parts`` None: `score_split_parts`."""
     rows, max_groups = out.shape
     if rows == 0 or max_groups == 0:
         return out
     heads, dim = index_q.shape[1:]
-    block_g = 64
+    if split_parts is None:
+        split_parts = score_split_parts(key_cache.dtype, _capability(key_cache.device))
+    block_g = 128 if split_parts else 64  # the faster tile of each form on the H200
     _index_scores_kernel[(rows, triton.cdiv(max_groups, block_g))](
         index_q, key_cache, key_block_table, token_req, complete, out, *index_q.stride(), key_cache.stride(0),
         key_cache.stride(2), key_cache.stride(3), *key_block_table.stride(), out.stride(0), max_groups,
         key_block_table.shape[1], math.sqrt(dim),
         TOPK=topk, NUM_HEADS=heads, HEAD_DIM=dim, ROWS_PER_BLOCK=key_cache.shape[2], BLOCK_G=block_g,
-        BLOCK_H=_block(heads), BLOCK_D=_block(dim), num_warps=4,
+        BLOCK_H=_block(heads), BLOCK_D=_block(dim), SPLIT_PARTS=split_parts, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def select_groups_torch(scores: torch.Tensor, complete: torch.Tensor, topk: int) -> torch.Tensor:
+    """Reference of the selection: ``[C, topk]`` int64, for each row with ``complete > topk`` the
+    ``topk`` highest of its scores ``[C, G]`` (-inf past complete) in ascending group order, ties
+    at the topk-th score going to the lowest groups; ``0 .. complete - 1`` then -1 for the others."""
+    rows, groups = scores.shape
+    device = scores.device
+    threshold = scores.topk(topk, dim=1).values[:, -1:]  # the topk-th largest score
+    above = scores > threshold
+    tie = scores == threshold
+    ties_taken = topk - above.sum(1, keepdim=True)
+    take = above | (tie & (tie.cumsum(1) <= ties_taken))  # exactly topk per row
+    rank = torch.where(take, take.cumsum(1) - 1, topk)  # column topk collects the others
+    chosen = torch.full((rows, topk + 1), -1, dtype=torch.long, device=device)
+    chosen.scatter_(1, rank, torch.arange(groups, device=device).expand(rows, groups))
+    ranks = torch.arange(topk, device=device)
+    all_groups = torch.where(ranks[None, :] < complete[:, None], ranks[None, :], -1)
+    return torch.where(complete[:, None] > topk, chosen[:, :topk], all_groups)
+
+
+# A row of up to this many scores is held in registers by `_select_groups_kernel`, which then finds
+# the topk-th score itself (0.025 ms for one row of 8192 on the H200, against 0.067 ms for
+# torch.topk and a sort); longer rows take it from torch.topk's values (bisecting over 8 chunks
+# reloaded 32 times took 0.55 ms for one row of 65536, torch.topk 0.05 ms).
+SELECT_IN_REGISTERS = 8192
+
+
+def select_groups_triton(
+    scores: torch.Tensor, complete: torch.Tensor, topk: int, out: torch.Tensor, block: int | None = None
+) -> torch.Tensor:
+    """`select_groups_torch` through `_select_groups_kernel`, into ``out [C, topk] int32``. Rows of
+    more than ``block`` (default `SELECT_IN_REGISTERS`) scores take the topk-th largest score from
+    torch.topk (its value is unique, whichever tied groups torch.topk picks) and are read in chunks."""
+    rows, groups = scores.shape
+    if rows == 0:
+        return out
+    block = SELECT_IN_REGISTERS if block is None else block
+    given = groups > block
+    threshold = scores.topk(topk, dim=1, sorted=False).values.amin(dim=1) if given else scores  # else unread
+    tile = block if given else _block(groups)
+    _select_groups_kernel[(rows,)](
+        scores, complete, threshold, out, scores.stride(0), out.stride(0),
+        TOPK=topk, BLOCK=tile, BLOCK_K=_block(topk), GIVEN_THRESHOLD=given, num_warps=8 if tile >= 4096 else 4,
     )  # fmt: skip
     return out
 
@@ -669,45 +968,41 @@ def index_topk(
     any token's complete groups (e.g. max_model_len // ratio; shapes depend on it, not on data).
     For a token at p, ``complete = (p + 1) // ratio``: if complete <= topk the row is
     ``0 .. complete - 1`` then -1; else the topk groups among 0..complete-1 with the highest
-    ``sum_h relu(q_h . key_g) / sqrt(Di)`` (fp32, keys upcast), in ascending order — the groups of
+    ``sum_h relu(q_h . key_g) / sqrt(Di)`` (fp32, keys upcast), in ascending order: the groups of
     `ops.qsa.select_with_index_queries`. Padding tokens get -1 rows.
 
-    Ties: a group scoring strictly above the topk-th score is always chosen; among groups that tie
-    exactly at the topk-th score (e.g. several all-relu-zero groups), the choice is torch.topk's,
-    which is implementation-defined and may differ between CPU and CUDA and from the oracle's
-    topk over exactly the complete groups. Scores are rounded differently by the Triton kernel
-    and by torch (summation order), so a near-tie within an ulp may also resolve differently.
+    Ties: groups scoring strictly above the topk-th score are always chosen; among the groups
+    that tie exactly at it (e.g. several all-relu-zero groups), the lowest are, on both paths.
+    The oracle's torch.topk over exactly the complete groups resolves such ties its own
+    (implementation-defined) way, so there the two may choose different groups of equal score.
+    The Triton scores and torch's differ by rounding (summation order), so two groups within
+    about an fp32 ulp of each other at the budget's edge may also be chosen differently.
 
-    Memory: the scores of at most ``max_score_bytes // (4 * max_groups)`` query rows exist at a time.
+    Memory: scores of at most ``max_score_bytes // (4 * max_groups)`` query rows at a time (the
+    torch path also takes about 7x that in temporaries).
     """
     tokens = index_q.shape[0]
     device = index_q.device
     if index_q.shape[2] != key_cache.shape[3] or key_cache.shape[1] != 1:
         raise ValueError(f"index_topk: queries {tuple(index_q.shape)} do not fit key cache {tuple(key_cache.shape)}")
-    real = token_req >= 0
-    complete = torch.where(real, (positions.long() + 1) // ratio, 0).clamp(max=max_groups)
-    ranks = torch.arange(topk, device=device)
-    all_groups = torch.where(ranks[None, :] < complete[:, None], ranks[None, :], -1)  # complete <= topk
-    if max_groups <= topk or tokens == 0:
-        return all_groups.to(torch.int32)
-    scores_fn = index_scores_triton if use_triton(index_q, backend) else index_scores_torch
+    complete = torch.where(token_req >= 0, (positions.long() + 1) // ratio, 0).clamp(max=max_groups)
+    if max_groups <= topk or tokens == 0:  # every row selects all its complete groups
+        ranks = torch.arange(topk, device=device)
+        return torch.where(ranks[None, :] < complete[:, None], ranks[None, :], -1).to(torch.int32)
+    triton_path = use_triton(index_q, backend)
     selected = torch.empty(tokens, topk, dtype=torch.int32, device=device)
     step = _rows(tokens, 4 * max_groups, max_score_bytes)
     scores = torch.empty(step, max_groups, dtype=torch.float32, device=device)
     for begin in range(0, tokens, step):
         end = min(tokens, begin + step)
-        rows = scores[: end - begin]
-        scores_fn(
-            index_q[begin:end],
-            key_cache,
-            key_block_table,
-            token_req[begin:end],
-            complete[begin:end],
-            topk=topk,
-            out=rows,
-        )
-        chosen = rows.topk(topk, dim=1, sorted=False).indices.sort(dim=1).values
-        selected[begin:end] = torch.where(complete[begin:end, None] > topk, chosen, all_groups[begin:end])
+        rows, row_complete = scores[: end - begin], complete[begin:end]
+        args = (index_q[begin:end], key_cache, key_block_table, token_req[begin:end], row_complete)
+        if triton_path:
+            index_scores_triton(*args, topk=topk, out=rows)
+            select_groups_triton(rows, row_complete, topk, selected[begin:end])
+        else:
+            index_scores_torch(*args, topk=topk, out=rows)
+            selected[begin:end] = select_groups_torch(rows, row_complete, topk)
     return selected
 
 
@@ -814,11 +1109,13 @@ def sparse_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    block_n: int = 32,
+    block_n: int | None = None,
     num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """`sparse_attention` through `_sparse_attention_kernel` (plus `_merge_splits_kernel` when a
-    token's keys are split over several programs; ``num_splits`` None: `attention_splits`)."""
+    token's keys are split over several programs; ``num_splits`` None: `attention_splits`;
+    ``block_n`` (keys per tile), ``num_warps``, ``num_stages``: launch tuning)."""
     tokens, heads, dim = q.shape
     kv_heads = kv_cache.shape[1]
     if out is None:
@@ -829,7 +1126,15 @@ def sparse_attention_triton(
     gate = gate if gate.stride(1) == 1 else gate.contiguous()  # the kernel reads a token's gate row flat
     if num_splits is None:
         max_keys = None if selected is None else (topk + 1) * ratio
-        num_splits = attention_splits(tokens, kv_heads, max_keys, q.device, block_n)
+        num_splits = attention_splits(tokens, kv_heads, max_keys, q.device, 32)
+    # Measured on the H200 (bf16, D 256, 12 heads per KV head): 64-key tiles where every program
+    # walks a token's whole key list (many tokens), 32-key tiles without software pipelining
+    # where the keys are split over programs (few tokens). Elsewhere 32 (64 takes 80 KiB of
+    # shared memory at D 256 on sm_70, where a V100 has 96).
+    if block_n is None:
+        block_n = 64 if num_splits == 1 and _capability(q.device) >= (9, 0) else 32
+    if num_stages is None and num_splits > 1:
+        num_stages = 1
     if num_splits > 1:
         partial_acc = torch.empty(num_splits, tokens, heads, dim, dtype=torch.float32, device=q.device)
         partial_ml = torch.empty(num_splits, tokens, heads, 2, dtype=torch.float32, device=q.device)
@@ -845,6 +1150,7 @@ def sparse_attention_triton(
         RATIO=ratio, TOPK=topk, HEADS_PER_KV=heads // kv_heads, NUM_Q_HEADS=heads, HEAD_DIM=dim,
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=_block(heads // kv_heads), BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, FP32_DOT=q.dtype == torch.float32, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(tokens, heads)](
