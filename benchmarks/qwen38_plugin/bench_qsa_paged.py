@@ -9,16 +9,18 @@ KV block size 64, key-ring capacity 4. Every request owns its own shuffled block
 
 Cases: decode steps of T = 1, 8, 64, 256 requests at contexts 4096 and 32768 (max_groups =
 32768 // 4, the static bound a CUDA graph needs), and one 4096-token prefill. Columns:
-- ``index`` = `index_topk` (Triton scores + torch.topk), ``attn`` = `sparse_attention`, ``step`` =
-  slot mappings, K/V write, group keys, key and ring writes, index_topk and attention: one layer's
-  QSA between its projections. Decode is timed as the median replay of a CUDA graph of 10 calls
-  (launch gaps out); the prefill and every torch reference with ``triton.testing.do_bench`` (median).
+- ``index`` = `index_topk` (Triton scores and selection), ``attn`` = `sparse_attention`, ``layer`` =
+  K/V write, group keys, key and ring writes, index_topk and attention: one layer's QSA between its
+  projections; ``slots`` = `slot_mappings`, once per step for all layers. Decode is timed as the
+  median replay of a CUDA graph of 10 calls (launch gaps out); the prefill and every torch
+  reference with ``triton.testing.do_bench`` (median). One more decode case runs with max_groups
+  65536 (a server configured for 256K tokens) at a 32K context.
 - ``torch`` = the same op through the plain-torch reference (``backend="torch"``), same inputs.
 - ``need MB`` = bytes the step cannot avoid moving: each token's K/V rows it attends to, the key
   cache rows its selection scores (its complete groups, only when past the budget), its queries
-  (q, gate, index q) and output; ``frac`` = need / (time * copy bandwidth), the copy bandwidth a
-  1 GiB device-to-device copy reaches in this run (bytes read + written per second). The index's
-  own fp32 scores row (written, then read by topk) is overhead, not need.
+  (q, gate, index q) and output; ``frac`` = need / (layer time * copy bandwidth), the copy
+  bandwidth a 1 GiB device-to-device copy reaches in this run (bytes read + written per second).
+  The index's own fp32 scores row (written, then read by the selection) is overhead, not need.
 - ``check``: Triton vs the torch reference on these inputs: rows whose selection is identical,
   and the attention's max rel err given the same selection.
 Prints one table; with ``$OUT`` set, also writes it to ``$OUT/bench_qsa_paged.txt``.
@@ -134,10 +136,14 @@ def run_attention(c: Caches, x: dict[str, Any], selected: torch.Tensor, backend:
                                       ratio=RATIO, scale=D**-0.5, backend=backend)  # fmt: skip
 
 
-def run_step(c: Caches, x: dict[str, Any], max_groups: int) -> torch.Tensor:
-    slots = qsa_paged.slot_mappings(x["token_req"], x["positions"], x["seq_lens"], x["kv_table"], block_size=BLOCK,
-                                    key_block_table=x["key_table"], ring_block=x["ring_block"], ratio=RATIO,
-                                    ring_capacity=RING)  # fmt: skip
+def run_slots(x: dict[str, Any]) -> qsa_paged.SlotMappings:
+    return qsa_paged.slot_mappings(x["token_req"], x["positions"], x["seq_lens"], x["kv_table"], block_size=BLOCK,
+                                   key_block_table=x["key_table"], ring_block=x["ring_block"], ratio=RATIO,
+                                   ring_capacity=RING)  # fmt: skip
+
+
+def run_layer(c: Caches, x: dict[str, Any], slots: qsa_paged.SlotMappings, max_groups: int) -> torch.Tensor:
+    """One QSA layer of a step between its projections (the slot mappings are the step's, made once)."""
     assert slots.key is not None and slots.ring is not None
     qsa_paged.write_kv(c.kv, slots.kv, x["k"], x["v"])
     keys = qsa_paged.group_keys(x["raw_keys"], c.ring, x["ring_block"], x["token_req"], x["positions"], x["step_start"],
@@ -159,8 +165,8 @@ def needed_bytes(x: dict[str, Any], elem: int) -> int:
 
 
 def case(caches: Caches, label: str, lengths: list[int], counts: list[int], dtype: torch.dtype, decode: bool,
-         bandwidth: float, gen: torch.Generator) -> str:  # fmt: skip
-    max_groups = 32768 // RATIO
+         bandwidth: float, gen: torch.Generator, max_model_len: int = 32768) -> str:  # fmt: skip
+    max_groups = max_model_len // RATIO
     x = step_inputs(caches, lengths, counts, dtype, gen)
     elem = torch.finfo(dtype).bits // 8
     # checks first (Triton vs torch on the same inputs; the same selection for the attention)
@@ -173,15 +179,17 @@ def case(caches: Caches, label: str, lengths: list[int], counts: list[int], dtyp
     timer = graph_ms if decode else median_ms
     index_ms = timer(lambda: run_index(caches, x, max_groups, "triton"))
     attn_ms = timer(lambda: run_attention(caches, x, sel_triton, "triton"))
-    step_ms = timer(lambda: run_step(caches, x, max_groups))  # rewrites the step's rows: same values each time
+    slots = run_slots(x)
+    slots_ms = timer(lambda: run_slots(x))
+    layer_ms = timer(lambda: run_layer(caches, x, slots, max_groups))  # rewrites the step's rows: same values
     torch_index_ms = median_ms(lambda: run_index(caches, x, max_groups, "torch"))
     torch_attn_ms = median_ms(lambda: run_attention(caches, x, sel_torch, "torch"))
     need = needed_bytes(x, elem)
-    frac = need / (step_ms * 1e-3 * bandwidth)
+    frac = need / (layer_ms * 1e-3 * bandwidth)
     t = int(x["token_req"].shape[0])
     dt = str(dtype).removeprefix("torch.")
     return (
-        f"{label:<22}{dt:<9}{t:>6}{index_ms:>9.3f}{attn_ms:>9.3f}{step_ms:>9.3f}{torch_index_ms:>10.3f}"
+        f"{label:<24}{dt:<9}{t:>6}{index_ms:>9.3f}{attn_ms:>9.3f}{layer_ms:>9.3f}{slots_ms:>8.3f}{torch_index_ms:>10.3f}"
         f"{torch_attn_ms:>10.3f}{need / 1e6:>10.1f}{frac:>7.2f}   {same_rows:.3f} / {err:.1e}"
     )
 
@@ -199,8 +207,8 @@ def main() -> int:
         f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; copy {bandwidth / 1e12:.2f} TB/s "
         f"(read + write, 1 GiB); Hq {HQ} Hkv {HKV} D {D} Hi {HI} Di {DI} ratio {RATIO} budget {BUDGET} "
         f"block {BLOCK} (times in ms; decode: CUDA-graph replay, else do_bench median)",
-        f"{'case':<22}{'dtype':<9}{'T':>6}{'index':>9}{'attn':>9}{'step':>9}{'torch idx':>10}{'torch att':>10}"
-        f"{'need MB':>10}{'frac':>7}   check: same sel rows / attn rel err",
+        f"{'case':<24}{'dtype':<9}{'T':>6}{'index':>9}{'attn':>9}{'layer':>9}{'slots':>8}{'torch idx':>10}"
+        f"{'torch att':>10}{'need MB':>10}{'frac':>7}   check: same sel rows / attn rel err",
     ]
     print("\n".join(lines), flush=True)
     for name in args.dtypes.split(","):
@@ -212,6 +220,10 @@ def main() -> int:
                 line = case(caches, label, [context + 1] * requests, [1] * requests, dtype, True, bandwidth, gen)
                 print(line, flush=True)
                 lines.append(line)
+        # a server configured for 256K tokens: max_groups 65536, past what the selection holds in registers
+        line = case(caches, "decode ctx 32768 mml256K", [32769] * 64, [1] * 64, dtype, True, bandwidth, gen, 262144)
+        print(line, flush=True)
+        lines.append(line)
         line = case(caches, "prefill 4096", [4096], [4096], dtype, False, bandwidth, gen)
         print(line, flush=True)
         lines.append(line)
