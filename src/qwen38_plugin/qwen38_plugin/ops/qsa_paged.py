@@ -450,7 +450,7 @@ if HAVE_TRITON:
                     need = tl.full([], TOPK, tl.int32)  # how many of the sharing keys to take
                     prefix = tl.zeros([], tl.int32)  # the chosen digits so far
                     for level in tl.static_range(4):
-                        shift: tl.constexpr = 24 - 8 * level
+                        shift = 24 - 8 * level
                         if level == 0:
                             sharing = key_ok
                         else:
