@@ -80,8 +80,7 @@ def _compile_cases(
                           "BLOCK_G": 128 if parts else 64, "BLOCK_H": 16, "BLOCK_D": 128, "SPLIT_PARTS": parts}, 4),
         **{name: (qsa_paged._select_groups_kernel,
                   {"scores_ptr": f32, "complete_ptr": i64, "threshold_ptr": f32, "out_ptr": i32}, (),
-                  {"TOPK": 512, "BLOCK": 8192, "BLOCK_K": 512, "GIVEN_THRESHOLD": given,
-                   "RADIX": qsa_paged.HISTOGRAM_TAKES_MASK}, 8)
+                  {"TOPK": 512, "BLOCK": 8192, "BLOCK_K": 512, "GIVEN_THRESHOLD": given}, 8)
            for name, given in (("select_groups", False), ("select_groups_chunked", True))},
         **{f"sparse_attention_{mode}": (
             qsa_paged._sparse_attention_kernel, attention, ("scale_log2",),

@@ -37,7 +37,6 @@ One step of a layer, in order (the order matters where one op reads what another
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from functools import cache
@@ -52,11 +51,8 @@ try:
     import triton.language as tl
 
     HAVE_TRITON = True
-    # tl.histogram's mask (radix select in `_select_groups_kernel`) is newer than some Tritons
-    HISTOGRAM_TAKES_MASK = "mask" in inspect.signature(tl.histogram).parameters
 except ImportError:  # pragma: no cover - exercised only without triton
     HAVE_TRITON = False
-    HISTOGRAM_TAKES_MASK = False
 
 REFERENCE_ENV = "QWEN38_QSA_PAGED_REFERENCE"
 BACKENDS = ("auto", "torch", "triton")
@@ -404,13 +400,12 @@ if HAVE_TRITON:
         BLOCK: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GIVEN_THRESHOLD: tl.constexpr,
-        RADIX: tl.constexpr,
     ):
         # One program per query row: the TOPK best of its `complete` scores, in ascending group
         # order; at the TOPK-th score's ties, the lowest groups. Without GIVEN_THRESHOLD the row
-        # (at most BLOCK scores) is held in registers and the TOPK-th largest score is found on its
-        # 32-bit order key, by radix select (4 histogram passes) or, where Triton's histogram
-        # takes no mask, by bisection (32 counting passes); with it, the TOPK-th largest
+        # (at most BLOCK scores) is held in registers and the TOPK-th largest score is found by
+        # bisection on its 32-bit order key (32 counting passes: a radix select with tl.histogram
+        # ran slower on the H200, its scores sharing a few top-digit bins); with it, the TOPK-th largest
         # score comes from threshold_ptr and the row is read in BLOCK chunks, only as far as its
         # complete groups. Then one pass emits the chosen groups, each at its rank among the
         # chosen (a running prefix sum), so they come out sorted without a sort.
@@ -441,36 +436,15 @@ if HAVE_TRITON:
             else:
                 key_ok = offsets < complete
                 key = _order_key(tl.load(row + offsets, mask=key_ok, other=0.0))
-                if RADIX:
-                    # Radix select, 8 bits a pass from the top: a 256-bin histogram of the next
-                    # digit among the keys that share the digits chosen so far, then the digit
-                    # where the count from the top reaches the number still needed.
-                    unsigned = key ^ (-(2**31))  # as uint32 bits: orders like the keys
-                    bins = tl.arange(0, 256)
-                    need = tl.full([], TOPK, tl.int32)  # how many of the sharing keys to take
-                    prefix = tl.zeros([], tl.int32)  # the chosen digits so far
-                    for level in tl.static_range(4):
-                        shift = 24 - 8 * level
-                        if level == 0:
-                            sharing = key_ok
-                        else:
-                            sharing = key_ok & (((unsigned >> (shift + 8)) & ((1 << (8 * level)) - 1)) == prefix)
-                        hist = tl.histogram((unsigned >> shift) & 0xFF, 256, mask=sharing)
-                        at_least = tl.sum(hist, axis=0) - (tl.cumsum(hist, axis=0) - hist)  # keys with digit >= bin
-                        digit = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1
-                        need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-                        prefix = (prefix << 8) | digit
-                    threshold = prefix ^ (-(2**31))  # the TOPK-th largest key
-                else:
-                    # Bisection on the key: count(key >= low) >= TOPK > count(key >= high).
-                    low = tl.full([], -(2**31), tl.int64)
-                    high = tl.full([], 2**31, tl.int64)
-                    for _ in range(32):
-                        mid = ((low + high) // 2).to(tl.int32)
-                        count = tl.sum((key_ok & (key >= mid)).to(tl.int32), axis=0)
-                        low = tl.where(count >= TOPK, mid.to(tl.int64), low)
-                        high = tl.where(count >= TOPK, high, mid.to(tl.int64))
-                    threshold = low.to(tl.int32)  # the TOPK-th largest key
+                # Bisection on the key: count(key >= low) >= TOPK > count(key >= high).
+                low = tl.full([], -(2**31), tl.int64)
+                high = tl.full([], 2**31, tl.int64)
+                for _ in range(32):
+                    mid = ((low + high) // 2).to(tl.int32)
+                    count = tl.sum((key_ok & (key >= mid)).to(tl.int32), axis=0)
+                    low = tl.where(count >= TOPK, mid.to(tl.int64), low)
+                    high = tl.where(count >= TOPK, high, mid.to(tl.int64))
+                threshold = low.to(tl.int32)  # the TOPK-th largest key
                 above = tl.sum((key_ok & (key > threshold)).to(tl.int32), axis=0)
                 _emit_chunk(out, key, key_ok, offsets, threshold, TOPK - above, ties_seen, taken)
 
@@ -961,12 +935,10 @@ def select_groups_triton(
     topk: int,
     out: torch.Tensor,
     block: int | None = None,
-    radix: bool | None = None,
 ) -> torch.Tensor:
     """`select_groups_torch` through `_select_groups_kernel`, into ``out [C, topk] int32``. Rows of
     more than ``block`` (default `SELECT_IN_REGISTERS`) scores take the topk-th largest score from
-    torch.topk (its value is unique, whichever tied groups torch.topk picks) and are read in chunks.
-    ``radix`` (None: where Triton's histogram takes a mask) picks radix select over bisection."""
+    torch.topk (its value is unique, whichever tied groups torch.topk picks) and are read in chunks."""
     rows, groups = scores.shape
     if rows == 0:
         return out
@@ -976,8 +948,7 @@ def select_groups_triton(
     tile = block if given else _block(groups)
     _select_groups_kernel[(rows,)](
         scores, complete, threshold, out, scores.stride(0), out.stride(0),
-        TOPK=topk, BLOCK=tile, BLOCK_K=_block(topk), GIVEN_THRESHOLD=given,
-        RADIX=HISTOGRAM_TAKES_MASK if radix is None else radix, num_warps=8 if tile >= 4096 else 4,
+        TOPK=topk, BLOCK=tile, BLOCK_K=_block(topk), GIVEN_THRESHOLD=given, num_warps=8 if tile >= 4096 else 4,
     )  # fmt: skip
     return out
 
