@@ -173,7 +173,8 @@ def check_group_keys() -> str:
         token_req = torch.tensor([r for r, n in enumerate(counts) for _ in range(n)] + [-1], dtype=torch.int32)
         positions = torch.tensor([s + i for s, n in zip(starts, counts, strict=True) for i in range(n)] + [0])
         ring, _ = strided_cache(5, (1, capacity, dim), dtype)
-        ring_block = torch.tensor([3, 1, 4], dtype=torch.int32, device=DEVICE)
+        # a column of a [R, 2] table, as a ring's block table column is: strided
+        ring_block = torch.tensor([[3, 0], [1, 0], [4, 0]], dtype=torch.int32, device=DEVICE)[:, 0]
         for r, start in enumerate(starts):  # the ring rows of each request's last positions before the step
             for p in range(max(0, start - capacity), start):
                 ring[ring_block[r], 0, p % capacity] = randn(dim, dtype=dtype)

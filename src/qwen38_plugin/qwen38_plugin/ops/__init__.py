@@ -8,6 +8,8 @@ faster paths (kernels) must be tested against them.
 - `gdn`: Gated DeltaNet (causal conv with state, gated delta rule chunked and recurrent).
 - `gdn_varlen`: the GDN core of a whole engine step on vLLM's state slots (the CPU path).
 - `qsa`: QSA indexed attention (compressed key blocks, budget, open group, output gate).
+- `qsa_paged`: the same for every token of an engine step over vLLM's paged caches (torch
+  references plus Triton kernels; no host syncs, CUDA-graph safe).
 - `hyper_connection`: hyper-connection mixers (grouped norm, low-rank mix, injection).
 - `ple`: per-layer n-gram embeddings (hashing, gate, dilated conv, their states).
 - `ple_varlen`: PLE of a whole engine step on vLLM's state slots (batched, CUDA-graph safe).
