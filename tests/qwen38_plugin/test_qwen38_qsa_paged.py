@@ -13,7 +13,7 @@
   (qsa_paged_compile_check.py). The two scripts run side by side in subprocesses.
 - On CUDA (skipped elsewhere, saying why): the Triton path against the oracle in fp32, fp16 and
   bf16, and one decode step captured in a CUDA graph and replayed equals the same step run eagerly.
-  On a GPU machine without vLLM (the whole file, 46 tests, ran there in 56 s on the H200:
+  On a GPU machine without vLLM (the whole file, 46 tests, ran there in 66 s on the H200:
   benchmarks/qwen38_plugin/results/qsa_paged_cuda_checks.txt):
 
     PYTHONPATH=src/qwen38_plugin:. python3 -m pytest --noconftest -q -rA -s tests/qwen38_plugin/test_qwen38_qsa_paged.py
