@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -100,7 +101,10 @@ def server(start_server: Any, tiny_checkpoint: Any) -> Iterator[Any]:
     model = tiny_checkpoint("qwen3")
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        env = {"PYTHONPATH": str(ROOT), "TOOL_PARSERS_STALL_SECONDS": str(STALL_SECONDS)}
+        # The repository root (for the test-support logits processor) before any given path,
+        # so a checkout that puts its own plugin sources on PYTHONPATH serves those.
+        pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = {"PYTHONPATH": pythonpath, "TOOL_PARSERS_STALL_SECONDS": str(STALL_SECONDS)}
         server = start_server(model, SERVER_ARGS, env=env)
         try:
             yield server
