@@ -131,6 +131,18 @@ def test_malformed_markup_never_raises_and_both_paths_agree(
         assert all(i["issue"] == "malformed" and i["name"] is None for i in reported)
 
 
+def test_whitespace_after_a_dropped_call_is_not_content(harness: Qwen38Harness) -> None:
+    """As after a kept call, at any chunking and wherever the output ends (stock sent it at once
+    when the chunk had no call deltas, which a dropped call never has)."""
+    text = "Sure." + render_call("delete_everything", {"path": "/"}) + "\n" + WEATHER
+    ids = harness.encode(text)
+    after_blank = len(harness.encode(text[: text.index(WEATHER)]))
+    for end in (after_blank, len(ids)):
+        for cut in range(1, end):
+            for parsed in (harness.parse_full(ids[:end], {}, False), harness.parse_stream(ids[:end], [cut], {}, False)):
+                assert parsed.content == "Sure.", (end, cut)
+
+
 # Values that contain the closing tags
 
 

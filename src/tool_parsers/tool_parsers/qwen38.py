@@ -545,13 +545,14 @@ class Qwen38Parser(Qwen3Parser):
         if self._serving_request and not self.skip_tool_parsing:
             report_issues(self.tool_call_issues)
 
-    def _drop_blank_between_calls(self, events: list[SemanticEvent]) -> list[SemanticEvent]:
+    def _drop_blank_between_calls(self, events: list[SemanticEvent]) -> tuple[list[SemanticEvent], str]:
         """Leave out whitespace-only text between one call and the next (held or in `events`).
 
         Whitespace after a call stays held until what follows decides: text keeps it
         (in front of the text), another call or the end of the output drops it. Both
         parse paths see the same events, so streamed and non-streamed agree; and the
-        Responses API does not open a message item for it between two calls.
+        Responses API does not open a message item for it between two calls. Returns
+        the events and the whitespace after their last call, which nothing decided yet.
         """
         after_call = bool(self._tool_slots)
         kept: list[SemanticEvent] = []
@@ -574,8 +575,7 @@ class Qwen38Parser(Qwen3Parser):
             elif event.type in _TOOL_EVENT_TYPES:
                 after_call = True
             kept.append(event)
-        kept.extend(pending)
-        return kept
+        return kept, "".join(event.value for event in pending)
 
     def _drop_trailing_blank(self) -> None:
         # Whitespace after the last call, with no text after it, is not content: streaming
@@ -615,17 +615,13 @@ class Qwen38Parser(Qwen3Parser):
         # in front of that text, not behind it.
         if not events and not finished:
             return None
-        events = self._drop_blank_between_calls(events)
+        events, blank_after_call = self._drop_blank_between_calls(events)
         if finished and all(event.type is not EventType.TEXT_CHUNK or not event.value.strip() for event in events):
             self._drop_trailing_blank()
-        if (
-            not finished
-            and self._tool_slots
-            and all(event.type is EventType.TEXT_CHUNK and not event.value.strip() for event in events)
-        ):
+        if not finished and not events:
             # Whitespace after a call: stock drops it at once, though text may follow (and
             # then the non-streamed content keeps it). Hold it like the whitespace before a call.
-            self._deferred_content += "".join(event.value for event in events)
+            self._deferred_content += blank_after_call
             return None
         if self._deferred_content:
             for position, event in enumerate(events):
@@ -642,6 +638,10 @@ class Qwen38Parser(Qwen3Parser):
                     self._deferred_content = ""
                     break
         delta = super()._events_to_delta(events, finished)
+        if blank_after_call and not finished:
+            # Held the same way when it follows a call in this delta: stock held it only when
+            # the delta also sent call deltas, and sent it at once after a dropped call.
+            self._deferred_content += blank_after_call
         if finished:
             self._publish_issues()
         return delta
