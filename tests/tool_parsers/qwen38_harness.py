@@ -88,6 +88,9 @@ class Parsed:
     chunks: list[tuple[str, str | None]] = field(default_factory=list)
     # What the parser reported as dropped (tool_call_issues), without the random call ids.
     issues: list[dict[str, Any]] = field(default_factory=list)
+    # The index each call has: its position in `tool_calls` (non-streamed), the index its
+    # deltas carry (streamed), in the order the calls appear.
+    indices: list[int] = field(default_factory=list)
 
     def arguments(self, index: int) -> Any:
         return json.loads(self.calls[index][1])
@@ -149,9 +152,8 @@ class Qwen38Harness:
         reasoning, content, calls = parser.parse(
             self.decode(ids), request, enable_auto_tools=True, model_output_token_ids=list(ids)
         )
-        return Parsed(
-            reasoning, content, [(call.name, call.arguments) for call in calls or []], issues=issues_of(parser)
-        )
+        found = [(call.name, call.arguments) for call in calls or []]
+        return Parsed(reasoning, content, found, issues=issues_of(parser), indices=list(range(len(found))))
 
     def parse_both(self, ids: Sequence[int], request_fields: dict[str, Any], thinking: bool) -> tuple[Parsed, Parsed]:
         """Non-streamed parse and token-by-token stream of the same output."""
@@ -168,6 +170,7 @@ class Qwen38Harness:
         reasoning: list[str] = []
         content: list[str] = []
         calls: dict[int, list[str]] = {}
+        indices: list[int] = []
         chunks: list[tuple[str, str | None]] = []
         start = 0
         previous_text = ""
@@ -191,6 +194,8 @@ class Qwen38Harness:
             if delta.content:
                 content.append(delta.content)
             for call in delta.tool_calls or []:
+                if call.index not in calls:
+                    indices.append(call.index)
                 slot = calls.setdefault(call.index, ["", ""])
                 if call.function is not None and call.function.name:
                     slot[0] += call.function.name
@@ -202,4 +207,5 @@ class Qwen38Harness:
             [(name, args) for _, (name, args) in sorted(calls.items())],
             chunks,
             issues_of(parser),
+            indices,
         )

@@ -89,6 +89,23 @@ def test_unknown_function_is_dropped_and_named_in_a_warning(
     assert any("'delete_everything'" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("chunking", ["token by token", "one chunk"])
+def test_calls_after_dropped_ones_are_numbered_as_sent(harness: Qwen38Harness, chunking: str) -> None:
+    """Streamed indices count the calls sent (clients fill their arrays by them); issues count every call written."""
+    rome = render_call("get_weather", {"city": "Rome"})
+    dropped = [render_call("delete_everything", {"path": "/"}), "<tool_call>\nhello\n</tool_call>"]
+    text = "\n".join([dropped[0], WEATHER, dropped[1], rome])
+    ids = harness.encode(text)
+    fields = {"tool_choice": "auto"}
+    full = harness.parse_full(ids, fields, thinking=False)
+    streamed = harness.parse_stream(ids, range(1, len(ids)) if chunking == "token by token" else [], fields, False)
+    expected_calls = [("get_weather", '{"city": "Paris", "days": 3}'), ("get_weather", '{"city": "Rome"}')]
+    assert full.calls == streamed.calls == expected_calls
+    assert full.indices == streamed.indices == [0, 1]
+    assert [(i["issue"], i["index"]) for i in streamed.issues] == [("unknown_function", 0), ("malformed", 2)]
+    assert streamed.issues == full.issues
+
+
 @pytest.mark.parametrize("days", ["a week", "3.5", "true"])
 def test_value_not_matching_its_type_is_dropped_and_reported(harness: Qwen38Harness, days: str) -> None:
     # `days` is an integer; the valid argument stays, the other is left out and reported.

@@ -2,6 +2,9 @@
 
 Outputs are built from known calls, so complete calls are also checked against the
 arguments they were rendered from (not against what the parser returns elsewhere).
+Among them are calls the parser must drop (to a function that is not among the
+tools, a `<tool_call>` without a function name): the calls it keeps are numbered
+0, 1, 2, ... in the stream as in the non-streamed list, whatever was dropped before.
 """
 
 from __future__ import annotations
@@ -49,10 +52,21 @@ string_values = (
 )
 
 
+MALFORMED_CALL = "<tool_call>\nhello\n</tool_call>"
+
+
 @st.composite
-def calls(draw: st.DrawFn) -> tuple[str, dict[str, str], dict[str, Any]]:
-    """(function name, rendered parameter texts, the arguments the parser must return)."""
-    kind = draw(st.sampled_from(["get_weather", "write_file", "set_limits"]))
+def calls(draw: st.DrawFn) -> tuple[str, dict[str, str], dict[str, Any] | None]:
+    """(function name, rendered parameter texts, the arguments the parser must return).
+
+    The arguments are None for a call the parser must drop: one to `delete_everything`
+    (not among the tools) or, with the name "", a `<tool_call>` block without a function.
+    """
+    kind = draw(st.sampled_from(["get_weather", "write_file", "set_limits", "delete_everything", ""]))
+    if kind == "delete_everything":
+        return kind, {"path": draw(string_values)}, None
+    if kind == "":
+        return kind, {}, None
     if kind == "get_weather":
         city = draw(string_values)
         days = draw(st.integers(min_value=0, max_value=10**6))
@@ -66,6 +80,22 @@ def calls(draw: st.DrawFn) -> tuple[str, dict[str, str], dict[str, Any]]:
     return kind, rendered, {"count": count, "ratio": 0.25, "flags": {"strict": strict}}
 
 
+def written(name: str, rendered: dict[str, str]) -> str:
+    return render_call(name, rendered) if name else MALFORMED_CALL
+
+
+def expected_issues(made_calls: list[tuple[str, dict[str, str], dict[str, Any] | None]]) -> list[dict[str, Any]]:
+    """The README's report of each dropped call; `index` counts every call written."""
+    issues: list[dict[str, Any]] = []
+    for index, (name, _, arguments) in enumerate(made_calls):
+        if arguments is None and name:
+            issues.append({"issue": "unknown_function", "action": "dropped_call", "index": index, "name": name})
+        elif arguments is None:
+            malformed = {"issue": "malformed", "action": "dropped_call", "index": index, "name": None}
+            issues.append({**malformed, "detail": "a <tool_call> without <function=NAME>"})
+    return issues
+
+
 @st.composite
 def outputs(draw: st.DrawFn) -> dict[str, Any]:
     thinking = draw(st.booleans())
@@ -73,7 +103,7 @@ def outputs(draw: st.DrawFn) -> dict[str, Any]:
     reasoning = draw(st.sampled_from(["Let me think.", "Check <the> weather", "x"]))
     preamble = draw(st.sampled_from(["", "Sure.", "Let me check.\n\n"]))
     implicit_end = thinking and bool(made_calls) and not preamble and draw(st.booleans())
-    body = preamble + "\n".join(render_call(name, rendered) for name, rendered, _ in made_calls)
+    body = preamble + "\n".join(written(name, rendered) for name, rendered, _ in made_calls)
     if not thinking:
         text = body
         expected_reasoning = None
@@ -94,8 +124,8 @@ def outputs(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-def _normalized(parsed: Parsed) -> tuple[str | None, str | None, list[tuple[str, str]]]:
-    return parsed.reasoning or None, parsed.content or None, parsed.calls
+def _normalized(parsed: Parsed) -> tuple[str | None, str | None, list[tuple[str, str]], list[int]]:
+    return parsed.reasoning or None, parsed.content or None, parsed.calls, parsed.indices
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -118,16 +148,18 @@ def test_stream_joins_to_full_parse(harness: Qwen38Harness, case: dict[str, Any]
 
     if truncate:
         return
-    assert full.issues == []
     assert full.reasoning == case["reasoning"]
     if case["tool_choice"] == "none":
-        assert full.calls == []
+        assert full.calls == [] and full.issues == []
         for name, rendered, _ in case["calls"]:
-            assert render_call(name, rendered) in (full.content or "")
+            assert written(name, rendered) in (full.content or "")
     else:
-        assert [name for name, _ in full.calls] == [name for name, _, _ in case["calls"]]
-        for index, (_, _, expected) in enumerate(case["calls"]):
+        kept = [(name, arguments) for name, _, arguments in case["calls"] if arguments is not None]
+        assert [name for name, _ in full.calls] == [name for name, _ in kept]
+        for index, (_, expected) in enumerate(kept):
             assert full.arguments(index) == expected
+        assert full.indices == list(range(len(kept)))
+        assert full.issues == expected_issues(case["calls"])
 
 
 @pytest.mark.parametrize("thinking", [True, False])

@@ -15,6 +15,8 @@ already carries most of the forks' tool-calling fixes. What this module changes:
   without a function name, and arguments whose value does not match the
   parameter's schema type are dropped; each is reported (`tool_call_issues`, see
   `tool_parsers.request_context`) so the response can say what was dropped.
+* Streamed calls are numbered by the calls actually sent (0, 1, 2, ...), their
+  positions in the non-streamed `tool_calls`, whatever was dropped before them.
 * `$ref` parameters are converted by the type of the referenced schema.
 * `tool_choice="none"`: tool-call markup is returned verbatim as content, with
   nothing held back, streaming and non-streaming.
@@ -642,9 +644,23 @@ class Qwen38Parser(Qwen3Parser):
             # Held the same way when it follows a call in this delta: stock held it only when
             # the delta also sent call deltas, and sent it at once after a dropped call.
             self._deferred_content += blank_after_call
+        if delta is not None and delta.tool_calls:
+            for call in delta.tool_calls:
+                call.index = self._sent_position(call.index)
         if finished:
             self._publish_issues()
         return delta
+
+    def _sent_position(self, slot_index: int) -> int:
+        """A call's index in the stream: how many calls were sent before it.
+
+        Stock numbers streamed calls by their slot, which counts the calls the model
+        wrote, dropped ones included; clients fill their arrays by this index, so a
+        dropped call left a hole (the `openai` client's stream helper raised
+        IndexError). Calls are decided in the order they are written, so this is also
+        the call's position in the non-streamed `tool_calls`.
+        """
+        return sum(1 for slot in self._tool_slots[:slot_index] if slot.name_sent)
 
     def _trim_pending_name(self, index: int) -> None:
         # Non-streaming strips the function name before checking it; streaming must
