@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -216,6 +217,85 @@ def test_call_cut_short_keeps_its_arguments_and_is_remembered(harness: Qwen38Har
     parser, request = harness._new_parser(harness.request(), thinking=False)
     _, _, calls = parser.parse(harness.decode(ids), request, enable_auto_tools=True)
     assert [is_truncated_call(call.id) for call in calls] == [False, True]
+
+
+# Every tag the parser knows; the end of an output can cut any of them in two.
+TAGS = (
+    "<tool_call>",
+    "</tool_call>",
+    "<function=",
+    "</function>",
+    "<parameter=",
+    "</parameter>",
+    "<think>",
+    "</think>",
+)
+CUT_CALLS = [("get_weather", {"city": "Paris", "days": "3"}), ("write_file", {"path": "a</b", "content": "x < y"})]
+TYPES = {"city": str, "days": int, "path": str, "content": str}
+# Each call's text up to its `</function>`: once that is written the call is complete.
+FUNCTION_END_OF = {name: render_call(name, arguments).removesuffix("\n</tool_call>") for name, arguments in CUT_CALLS}
+
+
+def without_cut_tag(text: str) -> str:
+    """`text` without a trailing piece that may begin a tag (the README: a tag cut in two is markup)."""
+    for start in range(len(text)):
+        if any(tag.startswith(text[start:]) for tag in TAGS):
+            return text[:start]
+    return text
+
+
+def expected_after_cut(text: str, written: str) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
+    """The calls and issues the README gives when the output `text` ends after `written`.
+
+    A call is complete once its `</function>` is written; one the end falls inside of
+    is `cut_short`: dropped (`name`: what was written of it, or null) unless its name
+    is one of the tools', else kept with each argument written so far (a string value
+    as far as it was written, an integer once it has a digit).
+    """
+    calls: list[tuple[str, dict[str, Any]]] = []
+    offset = len("Sure. ")
+    for index, (name, arguments) in enumerate(CUT_CALLS):
+        call_text = render_call(name, arguments)
+        part = written[offset:]
+        offset = text.index(call_text, offset) + len(call_text) + 1
+        if not part.startswith("<tool_call>"):
+            return calls, []  # not begun, or the marker itself cut: text, not a call
+        typed = {key: TYPES[key](value) for key, value in arguments.items()}
+        if FUNCTION_END_OF[name] in part:
+            calls.append((name, typed))
+            continue
+        head = "<tool_call>\n<function="
+        name_written = part[len(head) :].split(">")[0] if part.startswith(head) else ""
+        if name_written != name:
+            dropped = {"issue": "cut_short", "action": "dropped_call", "index": index, "name": name_written or None}
+            return calls, [dropped]
+        kept: dict[str, Any] = {}
+        for key, value in arguments.items():
+            opening = f"<parameter={key}>"
+            if opening not in part:
+                break
+            start = part.index(opening) + len(opening) + 1  # the template's newline
+            value_written = without_cut_tag(part[start : start + len(value)])
+            if TYPES[key] is str:
+                kept[key] = value_written
+            elif value_written:
+                kept[key] = TYPES[key](value_written)
+        calls.append((name, kept))
+        return calls, [{"issue": "cut_short", "action": "kept_incomplete", "index": index, "name": name}]
+    return calls, []
+
+
+@pytest.mark.parametrize("spelled", [False, True], ids=["marker tokens", "markers spelled"])
+def test_a_cut_anywhere_is_reported_as_the_readme_says(harness: Qwen38Harness, spelled: bool) -> None:
+    """Cut the output after every token: streamed and non-streamed give the README's calls and issues."""
+    text = "Sure. " + "\n".join(render_call(name, arguments) for name, arguments in CUT_CALLS)
+    ids = harness.encode_spelled(text) if spelled else harness.encode(text)
+    for end in range(1, len(ids) + 1):
+        written = harness.decode(ids[:end])
+        calls, issues = expected_after_cut(text, written)
+        for parsed in harness.parse_both(ids[:end], {"tool_choice": "auto"}, thinking=False):
+            assert [(name, json.loads(arguments)) for name, arguments in parsed.calls] == calls, written
+            assert parsed.issues == issues, written
 
 
 def test_call_cut_inside_its_function_name_is_reported_dropped(harness: Qwen38Harness) -> None:

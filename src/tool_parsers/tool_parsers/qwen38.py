@@ -9,8 +9,9 @@ already carries most of the forks' tool-calling fixes. What this module changes:
   call (followed by `</tool_call>`, `<tool_call>`, `<function=` or the end of the
   output), follow. Streaming holds such a `</function>` back until that is known.
 * A call left open at the end of the output (max_tokens) keeps the arguments
-  it has, in streaming and non-streaming alike, and its id is remembered so the
-  Anthropic layer can leave it out (see `tool_parsers.middleware`).
+  it has, in streaming and non-streaming alike; a tag the end cut in two is
+  markup, not text. Its id is remembered so the Anthropic layer can leave it
+  out (see `tool_parsers.middleware`).
 * Calls to functions that are not among the request's tools, `<tool_call>` blocks
   without a function name, and arguments whose value does not match the
   parameter's schema type are dropped; each is reported (`tool_call_issues`, see
@@ -34,6 +35,7 @@ import logging
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -174,6 +176,15 @@ def parse_parameters(body: str, partial: bool = False) -> dict[str, str]:
     A value that is still open at the end of `body` (streaming, or a call cut
     short by max_tokens) keeps the text it has so far.
     """
+    return _scan_parameters(body, partial)[0]
+
+
+def open_parameter(body: str) -> str | None:
+    """The parameter whose value is still open at the end of `body` (a call cut short), if any."""
+    return _scan_parameters(body, partial=False)[1]
+
+
+def _scan_parameters(body: str, partial: bool) -> tuple[dict[str, str], str | None]:
     params: dict[str, str] = {}
     pos = 0
     while True:
@@ -200,10 +211,11 @@ def parse_parameters(body: str, partial: bool = False) -> dict[str, str]:
         if value is None:
             if name:
                 params[name] = _strip_template_newlines(body[value_start:])
+                return params, name
             break
         if name:
             params[name] = _strip_template_newlines(value)
-    return params
+    return params, None
 
 
 def convert_arguments(body: str, partial: bool) -> str:
@@ -253,6 +265,16 @@ class _ValuePosition(Enum):
 # Terminals after which a held `</function>` (see below) really ended the call. A
 # special token the engine drops (e.g. an end-of-turn marker) ends it too.
 _CALL_END_FOLLOWERS = frozenset(("TOOL_END", "TOOL_START", "FUNC_PREFIX", DROP_TERMINAL))
+# States in which the output is inside a call that has not reached its `</function>`.
+_OPEN_CALL_STATES = frozenset((ParserState.TOOL_PREAMBLE, ParserState.TOOL_NAME, ParserState.TOOL_ARGS))
+
+
+@dataclass(frozen=True)
+class CutCall:
+    """The call the output ended inside of (max_tokens, a stop string, or an early end of turn)."""
+
+    index: int  # among the calls the model wrote
+    after_name: bool  # the end came after `<function=NAME>` was complete
 
 
 class Qwen38StreamingEngine(StreamingParserEngine):
@@ -271,7 +293,7 @@ class Qwen38StreamingEngine(StreamingParserEngine):
         super().reset(initial_state=initial_state)
         self._value_position = _ValuePosition.OUTSIDE
         self._held_function_end: list[tuple[str, int]] | None = None
-        self.truncated_tool_indices: list[int] = []
+        self.cut_call: CutCall | None = None
 
     def _commit_function_end(self) -> list[SemanticEvent]:
         held, self._held_function_end = self._held_function_end or [], None
@@ -347,13 +369,18 @@ class Qwen38StreamingEngine(StreamingParserEngine):
         # Flush what the scanner and lexer still hold first: a held `</function>` followed
         # only by whitespace up to the end of the output ended its call.
         events = self._process_scanner_items(self._scanner.flush_pending())
+        if self.state in _OPEN_CALL_STATES and not self.skip_tool_parsing:
+            # Inside a call the lexer holds back only text that may begin a tag (`</`,
+            # `</param`, `<func`); when the output ends there, it is a tag cut in two,
+            # not text of a value or a name, in the stream and the whole parse alike.
+            self._lexer.reset()
         events.extend(self._process_lex_tokens(self._lexer.flush()))
         if self._held_function_end is not None:
             events.extend(self._commit_function_end())
         self._record_reasoning_tokens(events)
         # A call whose `</function>` never came was cut short (max_tokens or a stop string).
-        if self.state in (ParserState.TOOL_NAME, ParserState.TOOL_ARGS) and self.tool_index >= 0:
-            self.truncated_tool_indices.append(self.tool_index)
+        if self.state in _OPEN_CALL_STATES and self.tool_index >= 0 and not self.skip_tool_parsing:
+            self.cut_call = CutCall(self.tool_index, after_name=self.state is ParserState.TOOL_ARGS)
         return events + super().finish()
 
 
@@ -502,18 +529,20 @@ class Qwen38Parser(Qwen3Parser):
 
     def _collect_issues(self) -> list[dict[str, Any]]:
         issues: list[dict[str, Any]] = []
-        truncated = set(self._engine.truncated_tool_indices)  # type: ignore[attr-defined]
+        cut: CutCall | None = self._engine.cut_call  # type: ignore[attr-defined]
         for index, slot in enumerate(self._tool_slots):
             name, raw = slot.name.strip(), slot.args
             if not name and raw.strip():
                 name, _ = self._extract_name_and_args(raw)
+            cut_here = cut is not None and cut.index == index
             if not self._accept_tool_name(name):
-                if index in truncated:
+                if cut is not None and cut_here and not cut.after_name:
                     # The output ended before the call had (all of) its function name.
-                    cut = {"issue": "cut_short", "action": "dropped_call", "index": index, "name": name or None}
-                    issues.append(cut)
+                    cut_name = name or None
+                    issues.append({"issue": "cut_short", "action": "dropped_call", "index": index, "name": cut_name})
                 elif name:
                     issues.append({"issue": "unknown_function", "action": "dropped_call", "index": index, "name": name})
+                    self._warn_unknown_function(name)
                 else:
                     detail = "a <tool_call> without <function=NAME>"
                     issues.append(
@@ -521,8 +550,13 @@ class Qwen38Parser(Qwen3Parser):
                     )
                 continue
             call_id = slot.id or None
+            # The value the end of the output left open may just be unfinished ("" or "-" of
+            # an integer); leaving it out is part of the cut, reported as such below.
+            unfinished = open_parameter(raw) if cut_here else None
             converted = ParserEngine._fix_arg_types(self, convert_arguments(raw, False), name)
             for key, value, expected in self._mismatched_arguments(converted, name):
+                if key == unfinished:
+                    continue
                 issues.append(
                     {
                         "issue": "type_mismatch",
@@ -535,11 +569,16 @@ class Qwen38Parser(Qwen3Parser):
                         "value": value,
                     }
                 )
-            if index in truncated:
+            if cut_here:
                 issues.append(
                     {"issue": "cut_short", "action": "kept_incomplete", "index": index, "id": call_id, "name": name}
                 )
         return issues
+
+    def _warn_unknown_function(self, name: str) -> None:
+        if name not in self._warned_names:
+            self._warned_names.add(name)
+            logger.warning("qwen38_coder: dropped a call to %r, which is not one of the request's tools", name)
 
     def _publish_issues(self) -> None:
         self._remember_truncated_calls()
@@ -602,13 +641,6 @@ class Qwen38Parser(Qwen3Parser):
         self._markup_passthrough = tool_choice == "none"
         self._call_forced = tool_choice == "required" or (tool_choice is not None and not isinstance(tool_choice, str))
         self._json_answer = _wants_json_answer(request)
-
-    def _accept_tool_name(self, name: str) -> bool:
-        accepted = super()._accept_tool_name(name)
-        if not accepted and name and name not in self._warned_names:
-            self._warned_names.add(name)
-            logger.warning("qwen38_coder: dropped a call to %r, which is not one of the request's tools", name)
-        return accepted
 
     def _events_to_delta(self, events: list[SemanticEvent], finished: bool = False) -> DeltaMessage | None:
         # Whitespace the engine holds back (it may precede a call, where it is dropped) stays
@@ -788,9 +820,9 @@ class Qwen38Parser(Qwen3Parser):
         return delta
 
     def _remember_truncated_calls(self) -> None:
-        for index in self._engine.truncated_tool_indices:  # type: ignore[attr-defined]
-            if index < len(self._tool_slots) and self._tool_slots[index].id:
-                _remember_truncated_call(self._tool_slots[index].id)
+        cut: CutCall | None = self._engine.cut_call  # type: ignore[attr-defined]
+        if cut is not None and cut.index < len(self._tool_slots) and self._tool_slots[cut.index].id:
+            _remember_truncated_call(self._tool_slots[cut.index].id)
 
 
 class Qwen38ReasoningParser(ParserEngineReasoningAdapter):
