@@ -114,7 +114,8 @@ class Qwen38Harness:
         return ChatCompletionRequest(**body)
 
     def _new_parser(self, request: ChatCompletionRequest, thinking: bool) -> tuple[Any, ChatCompletionRequest]:
-        kwargs = {"chat_template_kwargs": {"enable_thinking": thinking}}
+        # As vLLM's serving: the request's own chat_template_kwargs reach the parser too.
+        kwargs = {"chat_template_kwargs": {**(request.chat_template_kwargs or {}), "enable_thinking": thinking}}
         adjusted = self.parser_cls(self.tokenizer, request.tools, **kwargs).adjust_request(request)
         return self.parser_cls(self.tokenizer, adjusted.tools, **kwargs), adjusted
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from tests.tool_parsers.qwen38_harness import Qwen38Harness, render_call
-from tool_parsers.qwen38 import is_truncated_call, parse_parameters
+from tool_parsers.qwen38 import parse_parameters
+from tool_parsers.request_context import JSON_ANSWER_KWARG, request_record
 from tool_parsers.schema_refs import resolve_local_refs
 
 WEATHER = render_call("get_weather", {"city": "Paris", "days": "3"})
@@ -22,18 +23,13 @@ WEATHER = render_call("get_weather", {"city": "Paris", "days": "3"})
     "fields",
     [
         {"tools": None, "response_format": {"type": "json_object"}},
-        {
-            "tools": None,
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "a", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
-            },
-        },
         {"tool_choice": "none", "response_format": {"type": "json_object"}},
         {"tools": None, "structured_outputs": {"json": {"type": "object"}}},
     ],
 )
 def test_tool_call_marker_ends_reasoning_and_leaves_json_answer(harness: Qwen38Harness, fields: dict[str, Any]) -> None:
+    # The middleware flags JSON-answer requests (its rule: test_json_answer_requests_are_flagged_for_the_engine).
+    fields = {**fields, "chat_template_kwargs": {JSON_ANSWER_KWARG: True}}
     ids = harness.encode('Think first.<tool_call>{"a": 1}')
     for parsed in harness.parse_both(ids, fields, thinking=True):
         assert parsed.reasoning == "Think first."
@@ -204,7 +200,7 @@ def test_parse_parameters_closes_a_value_only_before_a_tag() -> None:
 # Calls cut short by max_tokens
 
 
-def test_call_cut_short_keeps_its_arguments_and_is_remembered(harness: Qwen38Harness) -> None:
+def test_call_cut_short_keeps_its_arguments_and_is_reported_to_the_request(harness: Qwen38Harness) -> None:
     text = WEATHER + "\n" + render_call("write_file", {"path": "notes.txt", "content": "long text"})
     ids = harness.encode(text)
     ids = ids[: len(harness.encode(text[: text.rindex("long") + 2]))]
@@ -214,9 +210,12 @@ def test_call_cut_short_keeps_its_arguments_and_is_remembered(harness: Qwen38Har
     assert full.arguments(1)["path"] == "notes.txt"
     assert full.issues == streamed.issues
     assert full.issues == [{"issue": "cut_short", "action": "kept_incomplete", "index": 1, "name": "write_file"}]
-    parser, request = harness._new_parser(harness.request(), thinking=False)
-    _, _, calls = parser.parse(harness.decode(ids), request, enable_auto_tools=True)
-    assert [is_truncated_call(call.id) for call in calls] == [False, True]
+    # Inside an HTTP request (the middleware opens its record) the findings carry the cut call's id.
+    with request_record("POST", "/v1/chat/completions") as record:
+        parser, request = harness._new_parser(harness.request(), thinking=False)
+        _, _, calls = parser.parse(harness.decode(ids), request, enable_auto_tools=True)
+    assert [record.findings.is_cut_short(call.id) for call in calls] == [False, True]
+    assert record.findings.issues() == full.issues
 
 
 # Every tag the parser knows; the end of an output can cut any of them in two.
@@ -390,7 +389,7 @@ def test_engine_shape_check_fails_loudly_when_vllm_changes() -> None:
 def test_json_answer_flag_keeps_the_marker_out_of_the_grammar(harness: Qwen38Harness) -> None:
     """In the engine core, a `<tool_call>` that ended the reasoning is the grammar's first token,
     except for requests the middleware flagged as JSON answers (their grammar would reject it)."""
-    from tool_parsers.qwen38 import JSON_ANSWER_KWARG, Qwen38ReasoningParser
+    from tool_parsers.qwen38 import Qwen38ReasoningParser
 
     ids = harness.encode('Hm.<tool_call>{"a": 1}')
     marker = harness.encode("<tool_call>")[0]

@@ -128,53 +128,70 @@ def test_stall_threshold_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> No
         RequestTimelineMiddleware(json_app({}))
 
 
-def truncated_and_complete_ids(harness: Qwen38Harness) -> tuple[str, str]:
-    """Ids the real parser gives a complete call and a call cut short by max_tokens."""
-    first = render_call("get_weather", {"city": "Paris"})
-    text = first + "\n" + render_call("write_file", {"path": "a", "content": "b"})
-    ids = harness.encode(text)
-    cut = len(harness.encode(text[: text.rindex("<parameter=content>")]))
-    parser, request = harness._new_parser(harness.request(), thinking=False)
-    _, _, calls = parser.parse(harness.decode(ids[:cut]), request, enable_auto_tools=True)
-    assert [c.name for c in calls] == ["get_weather", "write_file"]
-    return calls[0].id, calls[1].id
+def parsing_app(harness: Qwen38Harness, respond: Callable[[str, str], dict[str, Any] | list[bytes]]) -> App:
+    """An app that, as vLLM's handler does, runs the real parser inside the request, here on an
+    output whose second call max_tokens cut, then sends `respond(complete_id, cut_id)`: a JSON
+    body, or the events of a stream."""
+    cut_call = render_call("write_file", {"path": "a", "content": "b"})
+    output = render_call("get_weather", {"city": "Paris"}) + "\n" + cut_call[: cut_call.index("<parameter=content>")]
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        parser, request = harness._new_parser(harness.request(), thinking=False)
+        _, _, calls = parser.parse(output, request, enable_auto_tools=True)
+        assert [c.name for c in calls] == ["get_weather", "write_file"]
+        response = respond(calls[0].id, calls[1].id)
+        if isinstance(response, list):
+            await sse_app(response)(scope, receive, send)
+        else:
+            await json_app(response)(scope, receive, send)
+
+    return app
+
+
+CUT_CALL_LEFT_OUT = [{"issue": "cut_short", "action": "dropped_call", "index": 1, "name": "write_file"}]
 
 
 def test_messages_leave_out_call_cut_short(harness: Qwen38Harness) -> None:
-    complete, truncated = truncated_and_complete_ids(harness)
-    message = {
-        "type": "message",
-        "content": [
+    ids: list[str] = []
+
+    def message(complete: str, cut: str) -> dict[str, Any]:
+        ids.extend((complete, cut))
+        content = [
             {"type": "text", "text": "hi"},
             {"type": "tool_use", "id": complete, "name": "get_weather", "input": {"city": "Paris"}},
-            {"type": "tool_use", "id": truncated, "name": "write_file", "input": {"path": "a"}},
-        ],
-        "stop_reason": "max_tokens",
-    }
-    sent = run_app(ToolCallResponseMiddleware(json_app(message)), "/v1/messages")
+            {"type": "tool_use", "id": cut, "name": "write_file", "input": {"path": "a"}},
+        ]
+        return {"type": "message", "content": content, "stop_reason": "max_tokens"}
+
+    # ToolCallResponseMiddleware on its own opens the request's record for the parser's findings.
+    sent = run_app(ToolCallResponseMiddleware(parsing_app(harness, message)), "/v1/messages")
     body = json.loads(body_of(sent))
-    assert [b.get("id") for b in body["content"]] == [None, complete]
+    assert [b.get("id") for b in body["content"]] == [None, ids[0]]
     assert body["stop_reason"] == "max_tokens"
+    assert body["tool_call_issues"] == CUT_CALL_LEFT_OUT
     length = dict(sent[0]["headers"])[b"content-length"]
     assert int(length) == len(body_of(sent))
 
 
 def test_messages_stream_leaves_out_call_cut_short(harness: Qwen38Harness) -> None:
-    complete, truncated = truncated_and_complete_ids(harness)
+    ids: list[str] = []
 
     def event(kind: str, **data: Any) -> bytes:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
 
-    events = [
-        event("message_start", message={}),
-        event("content_block_start", index=0, content_block={"type": "tool_use", "id": truncated, "name": "w"}),
-        event("content_block_delta", index=0, delta={"type": "input_json_delta", "partial_json": "{"}),
-        event("content_block_stop", index=0),
-        event("content_block_start", index=1, content_block={"type": "tool_use", "id": complete, "name": "g"}),
-        event("content_block_stop", index=1),
-        event("message_delta", delta={"stop_reason": "max_tokens"}),
-    ]
-    body = body_of(run_app(ToolCallResponseMiddleware(sse_app(events)), "/v1/messages")).decode()
+    def events(complete: str, cut: str) -> list[bytes]:
+        ids.extend((complete, cut))
+        return [
+            event("message_start", message={}),
+            event("content_block_start", index=0, content_block={"type": "tool_use", "id": cut, "name": "w"}),
+            event("content_block_delta", index=0, delta={"type": "input_json_delta", "partial_json": "{"}),
+            event("content_block_stop", index=0),
+            event("content_block_start", index=1, content_block={"type": "tool_use", "id": complete, "name": "g"}),
+            event("content_block_stop", index=1),
+            event("message_delta", delta={"stop_reason": "max_tokens"}),
+        ]
+
+    body = body_of(run_app(ToolCallResponseMiddleware(parsing_app(harness, events)), "/v1/messages")).decode()
     parsed = [json.loads(line[5:]) for line in body.splitlines() if line.startswith("data:")]
     assert [(p["type"], p.get("index")) for p in parsed] == [
         ("message_start", None),
@@ -182,7 +199,8 @@ def test_messages_stream_leaves_out_call_cut_short(harness: Qwen38Harness) -> No
         ("content_block_stop", 0),
         ("message_delta", None),
     ]
-    assert parsed[1]["content_block"]["id"] == complete
+    assert parsed[1]["content_block"]["id"] == ids[0]
+    assert parsed[-1]["tool_call_issues"] == CUT_CALL_LEFT_OUT
 
 
 def test_chat_finish_reason_without_calls_is_stop() -> None:
@@ -197,24 +215,24 @@ def test_chat_finish_reason_without_calls_is_stop() -> None:
 
 
 def test_chat_finish_reason_of_a_cut_output_is_length(harness: Qwen38Harness) -> None:
-    complete, truncated = truncated_and_complete_ids(harness)
+    complete, cut = 0, 1
 
-    def response(call_id: str, completion_tokens: int) -> dict[str, Any]:
-        message = {"tool_calls": [{"id": call_id, "type": "function"}]}
-        return {
-            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls", "stop_reason": None}],
-            "usage": {"completion_tokens": completion_tokens},
-        }
+    def finish(call: int, completion_tokens: int, request: dict[str, Any]) -> str:
+        def response(*call_ids: str) -> dict[str, Any]:
+            message = {"tool_calls": [{"id": call_ids[call], "type": "function"}]}
+            return {
+                "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls", "stop_reason": None}],
+                "usage": {"completion_tokens": completion_tokens},
+            }
 
-    def finish(payload: dict[str, Any], request: dict[str, Any]) -> str:
-        app = ToolCallResponseMiddleware(json_app(payload))
+        app = ToolCallResponseMiddleware(parsing_app(harness, response))
         sent = run_app(app, "/v1/chat/completions", body=json.dumps(request).encode())
         return str(json.loads(body_of(sent))["choices"][0]["finish_reason"])
 
-    assert finish(response(truncated, 7), {"max_tokens": 64}) == "length"
-    assert finish(response(complete, 64), {"max_tokens": 64}) == "length"
-    assert finish(response(complete, 20), {"max_tokens": 64}) == "tool_calls"
-    assert finish(response(complete, 20), {}) == "tool_calls"
+    assert finish(cut, 7, {"max_tokens": 64}) == "length"
+    assert finish(complete, 64, {"max_tokens": 64}) == "length"
+    assert finish(complete, 20, {"max_tokens": 64}) == "tool_calls"
+    assert finish(complete, 20, {}) == "tool_calls"
 
 
 def test_combined_middleware_passes_other_routes_untouched() -> None:
@@ -245,7 +263,7 @@ def test_json_answer_requests_are_flagged_for_the_engine() -> None:
     async def _done() -> Message:
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    from tool_parsers.qwen38 import JSON_ANSWER_KWARG
+    from tool_parsers.request_context import JSON_ANSWER_KWARG
 
     json_answer = {"response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": True}}
     with_tools = {**json_answer, "tools": [{"type": "function", "function": {"name": "f"}}]}
@@ -254,7 +272,11 @@ def test_json_answer_requests_are_flagged_for_the_engine() -> None:
         ("/v1/chat/completions", json_answer, True),
         ("/v1/chat/completions", with_tools, False),
         ("/v1/chat/completions", {**with_tools, "tool_choice": "none"}, True),
+        ("/v1/chat/completions", {"structured_outputs": {"json": {"type": "object"}}}, True),
+        ("/v1/chat/completions", {"structured_outputs": {"json_object": True}}, True),
+        ("/v1/chat/completions", {"structured_outputs": {"regex": "[a-z]+"}}, False),
         ("/v1/responses", responses, True),
+        ("/v1/responses", {**responses, "tools": [{"type": "function", "name": "f"}]}, False),
         ("/v1/chat/completions", {"messages": []}, False),
     ]:
         seen.clear()

@@ -30,16 +30,16 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, ClassVar
 
-from tool_parsers.qwen38 import JSON_ANSWER_KWARG, is_truncated_call
 from tool_parsers.request_context import (
     ISSUES_FIELD,
     ISSUES_HEADER,
+    JSON_ANSWER_KWARG,
+    ParserFindings,
     RequestRecord,
-    close_request,
     current_request,
-    open_request,
+    request_record,
 )
 
 Scope = MutableMapping[str, Any]
@@ -52,9 +52,7 @@ logger = logging.getLogger("vllm.plugins.tool_parsers.http")
 
 KEEP_ALIVE_COMMENT = b": keep-alive\n\n"
 KEEP_ALIVE_PATHS = ("/v1/responses", "/v1/messages")
-REWRITTEN_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
-JSON_ANSWER_PATHS = ("/v1/chat/completions", "/v1/responses")
-# Request bodies are read for max_tokens only; a larger body is not inspected further.
+# Request bodies are read for max_tokens and the answer format; a larger body is not inspected.
 _REQUEST_BODY_LIMIT = 1 << 20
 STALL_SECONDS_ENV = "TOOL_PARSERS_STALL_SECONDS"
 DEFAULT_STALL_SECONDS = 60.0
@@ -151,7 +149,10 @@ class RequestTimelineMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        record, token = open_request(str(scope.get("method", "")), str(scope.get("path", "")))
+        with request_record(str(scope.get("method", "")), str(scope.get("path", ""))) as record:
+            await self._serve(record, scope, receive, send)
+
+    async def _serve(self, record: RequestRecord, scope: Scope, receive: Receive, send: Send) -> None:
         status: list[int] = []
         label = f"{record.method} {record.path}"
 
@@ -186,7 +187,6 @@ class RequestTimelineMiddleware:
             with contextlib.suppress(BaseException):
                 await watchdog
             self._log(label, record, status)
-            close_request(token)
 
     def _log(self, label: str, record: RequestRecord, status: list[int]) -> None:
         done = time.monotonic()
@@ -306,40 +306,6 @@ class _KeepAliveSender:
 # ── R13, finish_reason, dropped calls: tool-call responses ──────────────────
 
 
-def _stop_reason_after_drop(stop_reason: Any, output_tokens: Any, max_tokens: int | None) -> Any:
-    """An Anthropic stop_reason once the cut-short tool_use blocks are gone.
-
-    vLLM says "tool_use" for an auto call whose output max_tokens cut; without the
-    call, the message stopped at max_tokens (or, short of it, at a stop string).
-    """
-    if stop_reason != "tool_use":
-        return stop_reason
-    if isinstance(output_tokens, int) and max_tokens is not None and output_tokens >= max_tokens:
-        return "max_tokens"
-    return "end_turn"
-
-
-def _drop_truncated_tool_use(body: dict[str, Any], max_tokens: int | None = None) -> list[tuple[str, str]]:
-    """Remove tool_use blocks cut short from an Anthropic message; return their (id, name)."""
-    content = body.get("content")
-    if not isinstance(content, list):
-        return []
-    kept: list[Any] = []
-    dropped: list[tuple[str, str]] = []
-    for block in content:
-        if isinstance(block, dict) and block.get("type") == "tool_use" and is_truncated_call(block.get("id")):
-            dropped.append((str(block.get("id")), str(block.get("name"))))
-        else:
-            kept.append(block)
-    if dropped:
-        body["content"] = kept or [{"type": "text", "text": ""}]
-        if not any(isinstance(b, dict) and b.get("type") == "tool_use" for b in kept):
-            usage = body.get("usage")
-            output_tokens = usage.get("output_tokens") if isinstance(usage, dict) else None
-            body["stop_reason"] = _stop_reason_after_drop(body.get("stop_reason"), output_tokens, max_tokens)
-    return dropped
-
-
 def _json_object(raw: bytes) -> dict[str, Any] | None:
     try:
         data = json.loads(raw)
@@ -348,71 +314,12 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _requested_max_tokens(request_body: bytes) -> int | None:
-    request = _json_object(request_body)
-    if request is None:
-        return None
+def _requested_max_tokens(request: dict[str, Any] | None) -> int | None:
     for key in ("max_completion_tokens", "max_tokens"):
-        value = request.get(key)
+        value = (request or {}).get(key)
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
-def _fix_chat_finish_reason(body: dict[str, Any], max_tokens: int | None) -> list[str]:
-    """Correct `finish_reason="tool_calls"` in a non-streamed chat completion; return what changed.
-
-    vLLM reports "tool_calls" for every parsed auto call, even when the output was
-    cut (the stream then says "length"), and for every `required` response, even
-    when no call parsed. A choice whose output max_tokens cut reports "length", as
-    the stream does, and one without calls reports "stop".
-    """
-    changes: list[str] = []
-    usage = body.get("usage") or {}
-    completion_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    hit_limit = isinstance(completion_tokens, int) and max_tokens is not None and completion_tokens >= max_tokens
-    for choice in body.get("choices") or ():
-        if not isinstance(choice, dict) or choice.get("finish_reason") != "tool_calls":
-            continue
-        message = choice.get("message") or {}
-        calls = message.get("tool_calls") or []
-        cut = any(is_truncated_call(call.get("id")) for call in calls if isinstance(call, dict))
-        if not calls:
-            choice["finish_reason"] = "stop"
-            changes.append("no parsed tool calls: stop")
-        elif isinstance(choice.get("stop_reason"), str):
-            continue  # a stop string: the stream reports "tool_calls" too
-        elif cut or (hit_limit and len(body.get("choices") or ()) == 1):
-            choice["finish_reason"] = "length"
-            changes.append("output cut by max_tokens: length")
-    return changes
-
-
-def _wants_json_answer(request: dict[str, Any], path: str) -> bool:
-    """A chat / Responses request whose answer must be JSON and that cannot call tools."""
-    if request.get("tools") and request.get("tool_choice", "auto") != "none":
-        return False
-    if path == "/v1/responses":
-        text = request.get("text")
-        fmt = text.get("format") if isinstance(text, dict) else None
-        return isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object")
-    response_format = request.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type") in ("json_schema", "json_object"):
-        return True
-    structured = request.get("structured_outputs")
-    return isinstance(structured, dict) and bool(structured.get("json") or structured.get("json_object"))
-
-
-def _flag_json_answer(raw: bytes, path: str) -> bytes | None:
-    """The request body with the JSON-answer flag in chat_template_kwargs, or None if unchanged."""
-    request = _json_object(raw)
-    if request is None or not _wants_json_answer(request, path):
-        return None
-    kwargs = request.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        return None  # vLLM reports the malformed field itself
-    request["chat_template_kwargs"] = {**(kwargs or {}), JSON_ANSWER_KWARG: True}
-    return json.dumps(request, ensure_ascii=False).encode()
 
 
 def _issues_header(issues: list[dict[str, Any]]) -> bytes:
@@ -442,36 +349,51 @@ def _sse_event(raw: bytes, data: dict[str, Any]) -> bytes:
     return event + b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
 
-class _SseRewriter:
-    """Rewrite a streamed response one SSE event at a time.
+class EndpointRewriter:
+    """How one endpoint's responses are rewritten; one subclass per endpoint, one instance per request.
 
-    * `/v1/messages`: hold each tool_use block until its `content_block_stop`, drop it
-      if it was cut short; `message_delta` carries `tool_call_issues`.
-    * `/v1/chat/completions`: a last chunk (no choices) with `tool_call_issues` goes
-      before `data: [DONE]`.
-    * `/v1/responses`: the final `response` object carries `tool_call_issues`.
-
-    Issues are added only when there are some; other events pass unchanged.
+    `rewrite_body` fixes a non-streamed response; `feed` / `flush` rewrite a stream one
+    SSE event at a time (a partial event waits for its end). Both add the parsers'
+    `tool_call_issues` when there are some, and read what the parsers found from the
+    request's `ParserFindings`. `wants_json_answer` decides from the request body whether
+    the request is flagged for the parsers as a JSON answer.
     """
 
-    FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+    path: ClassVar[str]
 
-    def __init__(self, path: str, record: RequestRecord | None, max_tokens: int | None = None) -> None:
-        self.path = path
-        self.record = record
+    def __init__(self, findings: ParserFindings, max_tokens: int | None = None) -> None:
+        self.findings = findings
         self.max_tokens = max_tokens
         self._buffer = b""
-        self._held: list[bytes] | None = None
-        self._held_index: int | None = None
-        self._held_id: str | None = None
-        self._held_name = ""
-        self._removed = 0
-        self._kept_tool_use = False
-        self._chunk_fields: dict[str, Any] = {}
-        self.dropped: list[str] = []
 
-    def _issues(self) -> list[dict[str, Any]]:
-        return self.record.issues() if self.record is not None else []
+    # The request
+
+    @classmethod
+    def wants_json_answer(cls, request: dict[str, Any]) -> bool:
+        """The JSON-answer rule: the answer must be JSON, and no tool can be called."""
+        can_call_tools = bool(request.get("tools")) and request.get("tool_choice", "auto") != "none"
+        return not can_call_tools and cls._answer_must_be_json(request)
+
+    @staticmethod
+    def _answer_must_be_json(request: dict[str, Any]) -> bool:
+        """Whether the request's answer format (in this endpoint's fields) is JSON."""
+        return False
+
+    # Non-streamed
+
+    def rewrite_body(self, body: dict[str, Any]) -> bool:
+        """Fix a non-streamed response in place; return whether it changed."""
+        changed = self._fix_body(body)
+        issues = self.findings.issues()
+        if issues:
+            body[ISSUES_FIELD] = issues
+            changed = True
+        return changed
+
+    def _fix_body(self, body: dict[str, Any]) -> bool:
+        return False
+
+    # Streamed
 
     def feed(self, chunk: bytes) -> bytes:
         self._buffer += chunk
@@ -482,28 +404,70 @@ class _SseRewriter:
         return b"".join(out)
 
     def flush(self) -> bytes:
-        rest = b"".join(self._held or []) + self._buffer
-        self._held, self._buffer = None, b""
+        """What is left when the stream ends."""
+        rest, self._buffer = self._buffer, b""
         return rest
 
     def _event(self, raw: bytes) -> list[bytes]:
-        if self.path == "/v1/chat/completions":
-            return self._chat_event(raw)
-        data = _sse_data(raw)
-        if not isinstance(data, dict):
-            return [*self._flush_held(), raw] if self.path == "/v1/messages" else [raw]
-        if self.path == "/v1/responses":
-            if data.get("type") in self.FINAL_RESPONSE_EVENTS and isinstance(data.get("response"), dict):
-                issues = self._issues()
-                if issues:
-                    data["response"][ISSUES_FIELD] = issues
-                    return [_sse_event(raw, data)]
-            return [raw]
-        return self._message_event(raw, data)
+        return [raw]
 
-    def _chat_event(self, raw: bytes) -> list[bytes]:
+
+def _fix_chat_finish_reason(body: dict[str, Any], max_tokens: int | None, findings: ParserFindings) -> list[str]:
+    """Correct `finish_reason="tool_calls"` in a non-streamed chat completion; return what changed.
+
+    vLLM reports "tool_calls" for every parsed auto call, even when the output was
+    cut (the stream then says "length"), and for every `required` response, even
+    when no call parsed. A choice whose output max_tokens cut reports "length", as
+    the stream does, and one without calls reports "stop".
+    """
+    changes: list[str] = []
+    usage = body.get("usage") or {}
+    completion_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    hit_limit = isinstance(completion_tokens, int) and max_tokens is not None and completion_tokens >= max_tokens
+    for choice in body.get("choices") or ():
+        if not isinstance(choice, dict) or choice.get("finish_reason") != "tool_calls":
+            continue
+        message = choice.get("message") or {}
+        calls = message.get("tool_calls") or []
+        cut = any(findings.is_cut_short(call.get("id")) for call in calls if isinstance(call, dict))
+        if not calls:
+            choice["finish_reason"] = "stop"
+            changes.append("no parsed tool calls: stop")
+        elif isinstance(choice.get("stop_reason"), str):
+            continue  # a stop string: the stream reports "tool_calls" too
+        elif cut or (hit_limit and len(body.get("choices") or ()) == 1):
+            choice["finish_reason"] = "length"
+            changes.append("output cut by max_tokens: length")
+    return changes
+
+
+class ChatCompletionsRewriter(EndpointRewriter):
+    """`/v1/chat/completions`: a non-streamed `finish_reason` as the stream reports it; a
+    last chunk (no choices) with `tool_call_issues` before `data: [DONE]`."""
+
+    path = "/v1/chat/completions"
+
+    def __init__(self, findings: ParserFindings, max_tokens: int | None = None) -> None:
+        super().__init__(findings, max_tokens)
+        self._chunk_fields: dict[str, Any] = {}
+
+    @staticmethod
+    def _answer_must_be_json(request: dict[str, Any]) -> bool:
+        response_format = request.get("response_format")
+        if isinstance(response_format, dict) and response_format.get("type") in ("json_schema", "json_object"):
+            return True
+        structured = request.get("structured_outputs")
+        return isinstance(structured, dict) and bool(structured.get("json") or structured.get("json_object"))
+
+    def _fix_body(self, body: dict[str, Any]) -> bool:
+        fixes = _fix_chat_finish_reason(body, self.max_tokens, self.findings)
+        if fixes:
+            logger.warning("chat completion finish_reason corrected: %s", "; ".join(fixes))
+        return bool(fixes)
+
+    def _event(self, raw: bytes) -> list[bytes]:
         if raw.strip() == b"data: [DONE]":
-            issues = self._issues()
+            issues = self.findings.issues()
             if issues:
                 last = {**self._chunk_fields, "choices": [], ISSUES_FIELD: issues}
                 return [b"data: " + json.dumps(last, ensure_ascii=False).encode() + b"\n\n", raw]
@@ -515,7 +479,105 @@ class _SseRewriter:
                 self._chunk_fields = {key: data[key] for key in keys if key in data}
         return [raw]
 
-    def _message_event(self, raw: bytes, data: dict[str, Any]) -> list[bytes]:
+
+class ResponsesRewriter(EndpointRewriter):
+    """`/v1/responses`: the final `response` object of a stream carries `tool_call_issues`."""
+
+    path = "/v1/responses"
+    FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+    @staticmethod
+    def _answer_must_be_json(request: dict[str, Any]) -> bool:
+        text = request.get("text")
+        answer_format = text.get("format") if isinstance(text, dict) else None
+        return isinstance(answer_format, dict) and answer_format.get("type") in ("json_schema", "json_object")
+
+    def _event(self, raw: bytes) -> list[bytes]:
+        data = _sse_data(raw)
+        if (
+            isinstance(data, dict)
+            and data.get("type") in self.FINAL_RESPONSE_EVENTS
+            and isinstance(data.get("response"), dict)
+        ):
+            issues = self.findings.issues()
+            if issues:
+                data["response"][ISSUES_FIELD] = issues
+                return [_sse_event(raw, data)]
+        return [raw]
+
+
+def _stop_reason_after_drop(stop_reason: Any, output_tokens: Any, max_tokens: int | None) -> Any:
+    """An Anthropic stop_reason once the cut-short tool_use blocks are gone.
+
+    vLLM says "tool_use" for an auto call whose output max_tokens cut; without the
+    call, the message stopped at max_tokens (or, short of it, at a stop string).
+    """
+    if stop_reason != "tool_use":
+        return stop_reason
+    if isinstance(output_tokens, int) and max_tokens is not None and output_tokens >= max_tokens:
+        return "max_tokens"
+    return "end_turn"
+
+
+class MessagesRewriter(EndpointRewriter):
+    """`/v1/messages` (R13): `tool_use` blocks whose call was cut short are left out, and
+    the blocks after them renumbered; a stream holds each `tool_use` block until its
+    `content_block_stop` to know. `stop_reason` no longer says "tool_use" when no block
+    is left; `message_delta` carries `tool_call_issues`."""
+
+    path = "/v1/messages"
+
+    def __init__(self, findings: ParserFindings, max_tokens: int | None = None) -> None:
+        super().__init__(findings, max_tokens)
+        self._held: list[bytes] | None = None
+        self._held_index: int | None = None
+        self._held_id: str | None = None
+        self._held_name = ""
+        self._removed = 0
+        self._kept_tool_use = False
+        self._left_out: list[str] = []
+
+    def _leave_out(self, call_id: str, name: str) -> None:
+        self.findings.mark_left_out(call_id)
+        self._left_out.append(name)
+
+    def _log_left_out(self) -> None:
+        if self._left_out:
+            logger.warning("/v1/messages: left out tool calls cut short: %s", ", ".join(self._left_out))
+
+    def _fix_body(self, body: dict[str, Any]) -> bool:
+        content = body.get("content")
+        if not isinstance(content, list):
+            return False
+        kept: list[Any] = []
+        for block in content:
+            if (
+                isinstance(block, dict)
+                and block.get("type") == "tool_use"
+                and self.findings.is_cut_short(block.get("id"))
+            ):
+                self._leave_out(str(block.get("id")), str(block.get("name")))
+            else:
+                kept.append(block)
+        if len(kept) == len(content):
+            return False
+        body["content"] = kept or [{"type": "text", "text": ""}]
+        if not any(isinstance(b, dict) and b.get("type") == "tool_use" for b in kept):
+            usage = body.get("usage")
+            output_tokens = usage.get("output_tokens") if isinstance(usage, dict) else None
+            body["stop_reason"] = _stop_reason_after_drop(body.get("stop_reason"), output_tokens, self.max_tokens)
+        self._log_left_out()
+        return True
+
+    def flush(self) -> bytes:
+        rest = b"".join(self._flush_held()) + super().flush()
+        self._log_left_out()
+        return rest
+
+    def _event(self, raw: bytes) -> list[bytes]:
+        data = _sse_data(raw)
+        if not isinstance(data, dict):
+            return [*self._flush_held(), raw]
         kind = data.get("type")
         index = data.get("index")
         if kind == "content_block_start":
@@ -529,11 +591,9 @@ class _SseRewriter:
             if kind == "content_block_stop":
                 held = [*self._held, self._renumber(raw, data)]
                 self._held = None
-                if is_truncated_call(self._held_id):
+                if self._held_id is not None and self.findings.is_cut_short(self._held_id):
                     self._removed += 1
-                    self.dropped.append(self._held_name)
-                    if self.record is not None and self._held_id:
-                        self.record.mark_dropped(self._held_id)
+                    self._leave_out(self._held_id, self._held_name)
                     return []
                 self._kept_tool_use = True
                 return held
@@ -547,7 +607,7 @@ class _SseRewriter:
                 stop_reason = _stop_reason_after_drop(delta.get("stop_reason"), output_tokens, self.max_tokens)
                 changed = stop_reason != delta.get("stop_reason")
                 delta["stop_reason"] = stop_reason
-            issues = self._issues()
+            issues = self.findings.issues()
             if issues:
                 data[ISSUES_FIELD] = issues
                 changed = True
@@ -572,47 +632,69 @@ class _SseRewriter:
         return _sse_event(raw, data)
 
 
+ENDPOINT_REWRITERS: dict[str, type[EndpointRewriter]] = {
+    rewriter.path: rewriter for rewriter in (ChatCompletionsRewriter, ResponsesRewriter, MessagesRewriter)
+}
+
+
+def _flag_json_answer(request: dict[str, Any]) -> bytes | None:
+    """The request body with the JSON-answer flag in chat_template_kwargs, or None if not possible."""
+    kwargs = request.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        return None  # vLLM reports the malformed field itself
+    request = {**request, "chat_template_kwargs": {**(kwargs or {}), JSON_ANSWER_KWARG: True}}
+    return json.dumps(request, ensure_ascii=False).encode()
+
+
 class ToolCallResponseMiddleware:
-    """Rewrite tool-call responses of `/v1/messages`, `/v1/chat/completions` and `/v1/responses`."""
+    """Rewrite tool-call responses of the endpoints in `ENDPOINT_REWRITERS`.
+
+    It reads what the parsers found from the request's record (`request_context`),
+    which `RequestTimelineMiddleware` opens; used on its own, it opens one itself.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path")
-        if scope["type"] != "http" or scope.get("method") != "POST" or path not in REWRITTEN_PATHS:
+        endpoint = None
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            endpoint = ENDPOINT_REWRITERS.get(str(scope.get("path")))
+        if endpoint is None:
             await self.app(scope, receive, send)
             return
-        await _ResponseRewriter(str(path), send).run(self.app, scope, receive)
+        with request_record(str(scope.get("method")), str(scope.get("path"))) as record:
+            await _ResponseRewriter(endpoint(record.findings), send).run(self.app, scope, receive)
 
 
 class _ResponseRewriter:
-    def __init__(self, path: str, send: Send) -> None:
-        self.path = path
+    """One response through its endpoint's rewriter: the JSON body whole, an SSE stream event by event."""
+
+    def __init__(self, rewriter: EndpointRewriter, send: Send) -> None:
+        self._rewriter = rewriter
         self._send = send
         self._start: Message | None = None
         self._mode = "pass"  # "json" buffers the body, "sse" rewrites events
         self._body: list[bytes] = []
-        self._record = current_request()
-        self._sse = _SseRewriter(path, self._record)
-        self._request_body = b""
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
         # Read the whole request body first (vLLM reads it whole anyway), so a JSON-answer
         # request can be flagged before vLLM builds its parsers and the engine request.
         first: list[Message] = []
+        request_body = b""
         while True:
             message = await receive()
             first.append(message)
             if message["type"] != "http.request":
                 break
-            if len(self._request_body) < _REQUEST_BODY_LIMIT:
-                self._request_body += bytes(message.get("body", b""))
+            if len(request_body) < _REQUEST_BODY_LIMIT:
+                request_body += bytes(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        self._sse.max_tokens = _requested_max_tokens(self._request_body)
-        if self.path in JSON_ANSWER_PATHS and first[-1]["type"] == "http.request":
-            flagged = _flag_json_answer(self._request_body, self.path)
+        request = _json_object(request_body)
+        self._rewriter.max_tokens = _requested_max_tokens(request)
+        if request is not None and first[-1]["type"] == "http.request" and self._rewriter.wants_json_answer(request):
+            flagged = _flag_json_answer(request)
             if flagged is not None:
                 first = [{"type": "http.request", "body": flagged, "more_body": False}]
                 headers = [(k, v) for k, v in scope.get("headers", []) if bytes(k).lower() != b"content-length"]
@@ -639,11 +721,9 @@ class _ResponseRewriter:
             return
         more = bool(message.get("more_body", False))
         if self._mode == "sse":
-            body = self._sse.feed(bytes(message.get("body", b"")))
+            body = self._rewriter.feed(bytes(message.get("body", b"")))
             if not more:
-                body += self._sse.flush()
-                if self._sse.dropped:
-                    logger.warning("/v1/messages: left out tool calls cut short: %s", ", ".join(self._sse.dropped))
+                body += self._rewriter.flush()
             if body or not more:
                 await self._send({"type": "http.response.body", "body": body, "more_body": more})
             return
@@ -656,31 +736,11 @@ class _ResponseRewriter:
         assert self._start is not None
         body = raw
         data = _json_object(raw)
-        issues: list[dict[str, Any]] = []
-        if data is not None:
-            changed = False
-            if self.path == "/v1/messages":
-                dropped = _drop_truncated_tool_use(data, _requested_max_tokens(self._request_body))
-                if dropped:
-                    changed = True
-                    for call_id, _ in dropped:
-                        if self._record is not None:
-                            self._record.mark_dropped(call_id)
-                    names = ", ".join(name for _, name in dropped)
-                    logger.warning("/v1/messages: left out tool calls cut short: %s", names)
-            elif self.path == "/v1/chat/completions":
-                fixes = _fix_chat_finish_reason(data, _requested_max_tokens(self._request_body))
-                if fixes:
-                    changed = True
-                    logger.warning("chat completion finish_reason corrected: %s", "; ".join(fixes))
-            issues = self._record.issues() if self._record is not None else []
-            if issues:
-                data[ISSUES_FIELD] = issues
-                changed = True
-            if changed:
-                body = json.dumps(data, ensure_ascii=False).encode()
+        if data is not None and self._rewriter.rewrite_body(data):
+            body = json.dumps(data, ensure_ascii=False).encode()
         headers = [(k, v) for k, v in self._start.get("headers", []) if bytes(k).lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
+        issues = self._rewriter.findings.issues() if data is not None else []
         if issues:
             headers.append((ISSUES_HEADER, _issues_header(issues)))
         await self._send({**self._start, "headers": headers})

@@ -10,20 +10,21 @@ already carries most of the forks' tool-calling fixes. What this module changes:
   output), follow. Streaming holds such a `</function>` back until that is known.
 * A call left open at the end of the output (max_tokens) keeps the arguments
   it has, in streaming and non-streaming alike; a tag the end cut in two is
-  markup, not text. Its id is remembered so the Anthropic layer can leave it
-  out (see `tool_parsers.middleware`).
+  markup, not text. It is reported as cut short with its id, so the Anthropic
+  layer can leave it out (see `tool_parsers.middleware`).
 * Calls to functions that are not among the request's tools, `<tool_call>` blocks
   without a function name, and arguments whose value does not match the
-  parameter's schema type are dropped; each is reported (`tool_call_issues`, see
-  `tool_parsers.request_context`) so the response can say what was dropped.
+  parameter's schema type are dropped; each is reported (`tool_call_issues`, in
+  the request's `ParserFindings`, see `tool_parsers.request_context`) so the
+  response can say what was dropped.
 * Streamed calls are numbered by the calls actually sent (0, 1, 2, ...), their
   positions in the non-streamed `tool_calls`, whatever was dropped before them.
 * `$ref` parameters are converted by the type of the referenced schema.
 * `tool_choice="none"`: tool-call markup is returned verbatim as content, with
   nothing held back, streaming and non-streaming.
-* A JSON answer (response_format / structured outputs JSON, no tool calling)
-  never starts with the `<tool_call>` marker that ended the reasoning, and (with
-  the middleware's request flag) the marker is not fed to the JSON grammar.
+* A JSON answer (a request the middleware flagged, `JSON_ANSWER_KWARG`) never
+  starts with the `<tool_call>` marker that ended the reasoning, and the marker
+  is not fed to the JSON grammar.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ import inspect
 import json
 import logging
 import re
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -51,7 +51,7 @@ from vllm.parser.engine.token_id_scanner import DROP_TERMINAL
 from vllm.parser.qwen3 import Qwen3Parser, qwen3_config
 from vllm.tool_parsers.utils import extract_types_from_schema, find_tool_properties
 
-from tool_parsers.request_context import report_issues
+from tool_parsers.request_context import JSON_ANSWER_KWARG, report_findings
 from tool_parsers.schema_refs import resolve_tool_refs, tool_parameters, unresolved_local_refs
 
 logger = logging.getLogger("vllm.plugins.tool_parsers.qwen38")
@@ -62,9 +62,6 @@ PARAM_CLOSE = "</parameter>"
 FUNCTION_CLOSE = "</function>"
 # What may follow a `</function>` that really ends a call (besides whitespace and the end).
 CALL_FOLLOWERS = ("</tool_call>", "<tool_call>", "<function=")
-# A request flag in chat_template_kwargs, set by the middleware for requests whose answer
-# must be JSON and that cannot call tools; the engine core's reasoning parser reads it.
-JSON_ANSWER_KWARG = "tool_parsers_json_answer"
 
 _TOOL_EVENT_TYPES = frozenset(
     (EventType.TOOL_CALL_START, EventType.TOOL_NAME, EventType.ARG_VALUE_CHUNK, EventType.TOOL_CALL_END)
@@ -235,24 +232,6 @@ def qwen38_config(thinking: bool) -> ParserEngineConfig:
     )
 
 
-# ── Calls cut short, for the Anthropic layer ────────────────────────────────
-
-_TRUNCATED_CALL_IDS: OrderedDict[str, None] = OrderedDict()
-_TRUNCATED_CALL_IDS_LIMIT = 4096
-
-
-def _remember_truncated_call(call_id: str) -> None:
-    _TRUNCATED_CALL_IDS[call_id] = None
-    _TRUNCATED_CALL_IDS.move_to_end(call_id)
-    while len(_TRUNCATED_CALL_IDS) > _TRUNCATED_CALL_IDS_LIMIT:
-        _TRUNCATED_CALL_IDS.popitem(last=False)
-
-
-def is_truncated_call(call_id: str | None) -> bool:
-    """Whether this process parsed a call with this id that the output ended inside of."""
-    return call_id is not None and call_id in _TRUNCATED_CALL_IDS
-
-
 # ── Streaming engine ────────────────────────────────────────────────────────
 
 
@@ -387,19 +366,10 @@ class Qwen38StreamingEngine(StreamingParserEngine):
 # ── Parser engine ───────────────────────────────────────────────────────────
 
 
-def _wants_json_answer(request: Any) -> bool:
-    """A request whose answer must be JSON and that cannot call tools."""
-    tools = getattr(request, "tools", None)
-    if tools and getattr(request, "tool_choice", None) != "none":
-        return False
-    try:
-        extract = getattr(request, "extract_structured_outputs", None)
-        params = extract() if callable(extract) else getattr(request, "structured_outputs", None)
-    except Exception:
-        params = getattr(request, "structured_outputs", None)
-    if params is None:
-        return False
-    return bool(getattr(params, "json_object", False)) or getattr(params, "json", None) is not None
+def _flags_json_answer(chat_template_kwargs: Any) -> bool:
+    # The middleware decides which requests must answer in JSON (its endpoint rewriters hold
+    # the rule) and marks them here, where every parser of the request can read it.
+    return isinstance(chat_template_kwargs, Mapping) and bool(chat_template_kwargs.get(JSON_ANSWER_KWARG))
 
 
 _JSON_TYPE_CHECKS: dict[str, Any] = {
@@ -444,7 +414,7 @@ class Qwen38Parser(Qwen3Parser):
                 f"use a supported vLLM (0.32 / 0.33) or stock qwen3_coder / qwen3"
             )
         # Set by the middleware for JSON answers (see JSON_ANSWER_KWARG); read in the engine core.
-        self._json_answer_flag = bool(chat_kwargs.get(JSON_ANSWER_KWARG))
+        self._json_answer_flag = _flags_json_answer(chat_kwargs)
         self.tool_call_issues: list[dict[str, Any]] = []
         # Issues go to the HTTP request only from a parser serving it (stock also builds
         # request-less copies, e.g. to count reasoning tokens, which know no tools).
@@ -581,10 +551,9 @@ class Qwen38Parser(Qwen3Parser):
             logger.warning("qwen38_coder: dropped a call to %r, which is not one of the request's tools", name)
 
     def _publish_issues(self) -> None:
-        self._remember_truncated_calls()
         self.tool_call_issues = self._collect_issues()
         if self._serving_request and not self.skip_tool_parsing:
-            report_issues(self.tool_call_issues)
+            report_findings(self.tool_call_issues)
 
     def _drop_blank_between_calls(self, events: list[SemanticEvent]) -> tuple[list[SemanticEvent], str]:
         """Leave out whitespace-only text between one call and the next (held or in `events`).
@@ -640,7 +609,7 @@ class Qwen38Parser(Qwen3Parser):
         tool_choice = getattr(request, "tool_choice", None)
         self._markup_passthrough = tool_choice == "none"
         self._call_forced = tool_choice == "required" or (tool_choice is not None and not isinstance(tool_choice, str))
-        self._json_answer = _wants_json_answer(request)
+        self._json_answer = self._json_answer_flag or _flags_json_answer(getattr(request, "chat_template_kwargs", None))
 
     def _events_to_delta(self, events: list[SemanticEvent], finished: bool = False) -> DeltaMessage | None:
         # Whitespace the engine holds back (it may precede a call, where it is dropped) stays
@@ -818,11 +787,6 @@ class Qwen38Parser(Qwen3Parser):
                 delta = None
         self._publish_issues()
         return delta
-
-    def _remember_truncated_calls(self) -> None:
-        cut: CutCall | None = self._engine.cut_call  # type: ignore[attr-defined]
-        if cut is not None and cut.index < len(self._tool_slots) and self._tool_slots[cut.index].id:
-            _remember_truncated_call(self._tool_slots[cut.index].id)
 
 
 class Qwen38ReasoningParser(ParserEngineReasoningAdapter):

@@ -1,44 +1,52 @@
 """What one HTTP request carries between the middleware and the parsers.
 
-`tool_parsers.middleware.RequestTimelineMiddleware` (the outermost ASGI layer) opens a
-`RequestRecord` for each HTTP request and puts it in a context variable. Everything
-vLLM runs for that request (the handler, the streaming generator, vLLM's own request
-log) runs in a copy of that context, so:
+`tool_parsers.middleware` opens a `RequestRecord` for each HTTP request and puts it in
+a context variable. Everything vLLM runs for that request (the handler, the streaming
+generator, vLLM's own request log) runs in a copy of that context, so:
 
-* the parsers add the tool-call issues they find (`add_issues`), and the response
-  layer writes them into the response (`tool_call_issues`, see the README);
+* the parsers add what they found in the output (`report_findings`: the tool-call
+  issues, with the ids of calls cut short) to the record's `ParserFindings`, and the
+  response layer reads them there: it writes the issues into the response
+  (`tool_call_issues`, see the README) and leaves calls cut short out of
+  `/v1/messages`;
 * the logging filter adds the HTTP receipt and end-of-body spans to vLLM's
   `Received request` log line.
 
 Outside a request (parser-level tests, a server without the middleware) there is no
 record and both are no-ops.
+
+The middleware also marks requests whose answer must be JSON with `JSON_ANSWER_KWARG`
+in `chat_template_kwargs`, the one per-request field that reaches every parser of the
+request, the engine core's included.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 ISSUES_FIELD = "tool_call_issues"
 ISSUES_HEADER = b"x-tool-call-issues"
+# A request flag in chat_template_kwargs, set by the middleware for requests whose answer
+# must be JSON and that cannot call tools; the parsers read it (see tool_parsers.qwen38).
+JSON_ANSWER_KWARG = "tool_parsers_json_answer"
 
 
 @dataclass
-class RequestRecord:
-    method: str
-    path: str
-    received: float = field(default_factory=time.monotonic)
-    body_end: float | None = None
-    response_start: float | None = None
+class ParserFindings:
+    """What the tool parsers found in one request's output: issues, and calls cut short."""
+
     _issues: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)
     _call_ids: dict[tuple[Any, ...], set[str]] = field(default_factory=dict)
 
-    def add_issues(self, issues: list[dict[str, Any]]) -> None:
+    def add(self, issues: list[dict[str, Any]]) -> None:
         # vLLM may parse one output more than once (a second parser instance, a final
         # re-parse of a stream), each time with new call ids: an issue is the same issue
-        # when these fields agree. The ids are kept only to find the issue again.
+        # when these fields agree. The ids are kept to find the issue again.
         for issue in issues:
             key = tuple(issue.get(k) for k in ("issue", "index", "name", "argument"))
             self._issues.setdefault(key, {k: v for k, v in issue.items() if k != "id"})
@@ -48,11 +56,31 @@ class RequestRecord:
     def issues(self) -> list[dict[str, Any]]:
         return [dict(issue) for issue in self._issues.values()]
 
-    def mark_dropped(self, call_id: str) -> None:
+    def _cut_short_keys(self, call_id: str | None) -> list[tuple[Any, ...]]:
+        return [
+            key
+            for key, issue in self._issues.items()
+            if issue.get("issue") == "cut_short" and call_id is not None and call_id in self._call_ids.get(key, ())
+        ]
+
+    def is_cut_short(self, call_id: str | None) -> bool:
+        """Whether the call with this id is one the end of the output cut short."""
+        return bool(self._cut_short_keys(call_id))
+
+    def mark_left_out(self, call_id: str) -> None:
         """The response layer left out the call with this id (a call cut short)."""
-        for key, issue in self._issues.items():
-            if call_id in self._call_ids.get(key, ()) and issue.get("issue") == "cut_short":
-                issue["action"] = "dropped_call"
+        for key in self._cut_short_keys(call_id):
+            self._issues[key]["action"] = "dropped_call"
+
+
+@dataclass
+class RequestRecord:
+    method: str
+    path: str
+    received: float = field(default_factory=time.monotonic)
+    body_end: float | None = None
+    response_start: float | None = None
+    findings: ParserFindings = field(default_factory=ParserFindings)
 
     def spans(self, now: float | None = None) -> str:
         """`http_receipt_to_body_end=… body_end_to_now=…`, in milliseconds."""
@@ -69,16 +97,23 @@ def current_request() -> RequestRecord | None:
     return _CURRENT.get()
 
 
-def open_request(method: str, path: str) -> tuple[RequestRecord, Any]:
+@contextmanager
+def request_record(method: str, path: str) -> Iterator[RequestRecord]:
+    """The record of the HTTP request being served: the current one, else a new one for this block."""
+    record = _CURRENT.get()
+    if record is not None:
+        yield record
+        return
     record = RequestRecord(method, path)
-    return record, _CURRENT.set(record)
+    token = _CURRENT.set(record)
+    try:
+        yield record
+    finally:
+        _CURRENT.reset(token)
 
 
-def close_request(token: Any) -> None:
-    _CURRENT.reset(token)
-
-
-def report_issues(issues: list[dict[str, Any]]) -> None:
+def report_findings(issues: list[dict[str, Any]]) -> None:
+    """Add a parser's issues (cut calls among them) to the current request's findings."""
     record = _CURRENT.get()
     if record is not None and issues:
-        record.add_issues(issues)
+        record.findings.add(issues)
