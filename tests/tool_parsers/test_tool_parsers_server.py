@@ -134,20 +134,16 @@ def no_whitespace(qwen3_tokenizer: Any) -> dict[str, int]:
 
 
 def chat(client: openai.OpenAI, stream: bool, **request: Any) -> dict[str, Any]:
-    """One chat completion, streamed or not, as (reasoning, content, calls, finish_reason)."""
+    """One chat completion, streamed or not, as (reasoning, content, calls, finish_reason).
+
+    A stream is joined by hand, the way clients do: each call at the position its index names.
+    """
     base: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     base.update(request)
     if not stream:
-        choice = client.chat.completions.create(**base).choices[0]
-        message = choice.message
-        return {
-            "reasoning": (message.model_extra or {}).get("reasoning") or None,
-            "content": message.content or None,
-            "calls": [(call.function.name, call.function.arguments) for call in message.tool_calls or []],
-            "finish": choice.finish_reason,
-        }
+        return chat_result(client.chat.completions.create(**base).choices[0])
     reasoning, content, finish = "", "", None
-    calls: dict[int, list[str]] = {}
+    calls: list[list[str]] = []
     for chunk in client.chat.completions.create(stream=True, **base):
         if not chunk.choices:
             continue
@@ -155,21 +151,47 @@ def chat(client: openai.OpenAI, stream: bool, **request: Any) -> dict[str, Any]:
         reasoning += (delta.model_extra or {}).get("reasoning") or ""
         content += delta.content or ""
         for call in delta.tool_calls or []:
-            slot = calls.setdefault(call.index, ["", ""])
-            slot[0] += (call.function.name or "") if call.function else ""
-            slot[1] += (call.function.arguments or "") if call.function else ""
+            while len(calls) <= call.index:  # an index past the end leaves a hole: an empty call
+                calls.append(["", ""])
+            calls[call.index][0] += (call.function.name or "") if call.function else ""
+            calls[call.index][1] += (call.function.arguments or "") if call.function else ""
         finish = chunk.choices[0].finish_reason or finish
     return {
         "reasoning": reasoning or None,
         "content": content or None,
-        "calls": [(name, args) for _, (name, args) in sorted(calls.items())],
+        "calls": [(name, args) for name, args in calls],
         "finish": finish,
     }
 
 
+def chat_result(choice: Any) -> dict[str, Any]:
+    message = choice.message
+    return {
+        "reasoning": (message.model_extra or {}).get("reasoning") or None,
+        "content": message.content or None,
+        "calls": [(call.function.name, call.function.arguments) for call in message.tool_calls or []],
+        "finish": choice.finish_reason,
+    }
+
+
+def chat_by_stream_helper(client: openai.OpenAI, **request: Any) -> dict[str, Any]:
+    """The completion the `openai` client's own stream helper assembles (`chat.completions.stream`)."""
+    base: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    base.update(request)
+    try:
+        with client.chat.completions.stream(**base) as stream:
+            return chat_result(stream.get_final_completion().choices[0])
+    except openai.LengthFinishReasonError as error:
+        # With `strict` tools the helper refuses to parse an output max_tokens cut; what it
+        # assembled up to there is the whole stream all the same.
+        return chat_result(error.completion.choices[0])
+
+
 def both(client: openai.OpenAI, **request: Any) -> dict[str, Any]:
+    """The non-streamed completion, checked equal to the stream joined by hand and by the client's helper."""
     full = chat(client, False, **request)
     assert chat(client, True, **request) == full
+    assert chat_by_stream_helper(client, **request) == full
     return full
 
 
@@ -448,13 +470,13 @@ def expected_calls(case: str) -> list[tuple[str, dict[str, Any]]]:
 def test_chat_says_what_was_dropped(client: openai.OpenAI, harness: Qwen38Harness, case: str) -> None:
     xargs, max_tokens = bad_output(harness, case)
     request: dict[str, Any] = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "hi"}],
         "tools": LOOSE_TOOLS,
         "max_tokens": max_tokens,
         "extra_body": {"chat_template_kwargs": NO_THINKING, "vllm_xargs": xargs},
     }
-    raw = client.chat.completions.with_raw_response.create(**request)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], **request
+    )
     completion = raw.parse()
     issues = (completion.model_extra or {}).get("tool_call_issues")
     check_issues(issues, case, "chat")
@@ -470,19 +492,22 @@ def test_chat_says_what_was_dropped(client: openai.OpenAI, harness: Qwen38Harnes
     else:
         assert calls == expected_calls(case)
     assert "<tool_call>" not in (message.content or "")
+    assert strip_ids(chat_stream_issues(client, **request)) == strip_ids(issues)
+    both(client, **request)
 
-    streamed_issues = None
-    for chunk in client.chat.completions.create(stream=True, **request):
-        streamed_issues = (chunk.model_extra or {}).get("tool_call_issues", streamed_issues)
-    assert streamed_issues is not None
-    assert [{k: v for k, v in i.items() if k != "id"} for i in streamed_issues] == [
-        {k: v for k, v in i.items() if k != "id"} for i in issues
-    ]
-    assert chat(client, True, **request)["calls"] == chat(client, False, **request)["calls"]
+
+def chat_stream_issues(client: openai.OpenAI, **request: Any) -> Any:
+    """`tool_call_issues` of a streamed chat completion (its last chunk before `[DONE]`)."""
+    issues = None
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True, **request
+    ):
+        issues = (chunk.model_extra or {}).get("tool_call_issues", issues)
+    return issues
 
 
 @pytest.mark.parametrize("case", list(BAD_OUTPUTS))
-def test_responses_say_what_was_dropped(server: Any, harness: Qwen38Harness, case: str) -> None:
+def test_responses_say_what_was_dropped(server: Any, client: openai.OpenAI, harness: Qwen38Harness, case: str) -> None:
     xargs, max_tokens = bad_output(harness, case)
     body = {
         "model": "tiny",
@@ -497,21 +522,20 @@ def test_responses_say_what_was_dropped(server: Any, harness: Qwen38Harness, cas
     full = response.json()
     check_issues(full["tool_call_issues"], case, "responses")
     assert response.headers["x-tool-call-issues"].startswith(f"{case}:")
-    final = responses_stream(server, body)[-1]
-    assert final["type"] in ("response.completed", "response.incomplete")
-    assert strip_ids(final["response"]["tool_call_issues"]) == strip_ids(full["tool_call_issues"])
     calls = [
         (item["name"], json.loads(item["arguments"])) for item in full["output"] if item["type"] == "function_call"
     ]
     if case != "cut_short":
         assert calls == expected_calls(case)
+    final = responses_both(server, client, body, full)
+    assert final["type"] in ("response.completed", "response.incomplete")
+    assert strip_ids(final["response"]["tool_call_issues"]) == strip_ids(full["tool_call_issues"])
     assert strip_ids(final["response"]["output"]) == strip_ids(full["output"])
 
 
 @pytest.mark.parametrize("case", list(BAD_OUTPUTS))
 def test_messages_say_what_was_dropped(server: Any, harness: Qwen38Harness, case: str) -> None:
     xargs, max_tokens = bad_output(harness, case)
-    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
     request: dict[str, Any] = {
         "model": "tiny",
         "max_tokens": max_tokens,
@@ -519,20 +543,82 @@ def test_messages_say_what_was_dropped(server: Any, harness: Qwen38Harness, case
         "tools": [{"name": "get_weather", "input_schema": LOOSE_TOOLS[0]["function"]["parameters"]}],
         "extra_body": {"chat_template_kwargs": NO_THINKING, "vllm_xargs": xargs},
     }
-    message = client.messages.create(**request)
+    message, events = messages_both(server, request)
     issues = (message.model_extra or {}).get("tool_call_issues")
     check_issues(issues, case, "messages")
     calls = [(block.name, block.input) for block in message.content if block.type == "tool_use"]
     assert calls == expected_calls(case)
     if case == "cut_short":
         assert message.stop_reason == "max_tokens"
-
-    with client.messages.stream(**request) as stream:
-        events = list(stream)
-        final = stream.get_final_message()
     deltas = [e for e in events if e.type == "message_delta"]
     assert strip_ids((deltas[-1].model_extra or {}).get("tool_call_issues")) == strip_ids(issues)
-    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == calls
+
+
+# Calls after dropped ones: streamed indices count the calls sent, as clients fill their arrays by them
+
+DROPPED_AROUND = "\n".join(
+    [
+        render_call("delete_everything", {"path": "/"}),
+        render_call("get_weather", {"city": "Paris"}),
+        "<tool_call>\nhello\n</tool_call>",
+        render_call("get_weather", {"city": "Rome", "days": "2"}),
+    ]
+)
+KEPT_AROUND = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome", "days": 2})]
+# `index` of an issue counts every call the model wrote.
+ISSUES_AROUND = [
+    {"issue": "unknown_function", "action": "dropped_call", "index": 0, "name": "delete_everything"},
+    {"issue": "malformed", "action": "dropped_call", "index": 2, "name": None},
+]
+
+
+def check_issues_around(issues: Any) -> None:
+    assert [{key: issue.get(key) for key in ISSUES_AROUND[0]} for issue in issues] == ISSUES_AROUND
+
+
+# (Only with parallel calls allowed: with parallel_tool_calls=false vLLM constrains the calls by a
+# grammar, which rejects the forced call to an unknown function.)
+
+
+def test_chat_calls_after_dropped_ones(client: openai.OpenAI, harness: Qwen38Harness) -> None:
+    request: dict[str, Any] = {
+        "tools": LOOSE_TOOLS,
+        "max_tokens": 120,
+        "extra_body": {"chat_template_kwargs": NO_THINKING, "vllm_xargs": forced(harness, DROPPED_AROUND)},
+    }
+    result = both(client, **request)
+    assert [(name, json.loads(args)) for name, args in result["calls"]] == KEPT_AROUND
+    check_issues_around(chat_stream_issues(client, **request))
+
+
+def test_responses_calls_after_dropped_ones(server: Any, client: openai.OpenAI, harness: Qwen38Harness) -> None:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "input": "hi",
+        "tools": [{"type": "function", **LOOSE_TOOLS[0]["function"]}],
+        "max_output_tokens": 120,
+        "chat_template_kwargs": NO_THINKING,
+        "vllm_xargs": forced(harness, DROPPED_AROUND),
+    }
+    full = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=120).json()
+    calls = [(i["name"], json.loads(i["arguments"])) for i in full["output"] if i["type"] == "function_call"]
+    assert calls == KEPT_AROUND
+    final = responses_both(server, client, body, full)
+    check_issues_around(final["response"]["tool_call_issues"])
+
+
+def test_messages_calls_after_dropped_ones(server: Any, harness: Qwen38Harness) -> None:
+    request: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": 120,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "get_weather", "input_schema": LOOSE_TOOLS[0]["function"]["parameters"]}],
+        "extra_body": {"chat_template_kwargs": NO_THINKING, "vllm_xargs": forced(harness, DROPPED_AROUND)},
+    }
+    message, _ = messages_both(server, request)
+    calls = [(block.name, block.input) for block in message.content if block.type == "tool_use"]
+    assert calls == KEPT_AROUND
+    check_issues_around((message.model_extra or {}).get("tool_call_issues"))
 
 
 def strip_ids(value: Any) -> Any:
@@ -550,10 +636,91 @@ def responses_stream(server: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
     return [json.loads(line[5:]) for line in lines if line.startswith("data:")]
 
 
+def output_items(output: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What a Responses `output` says: each item's type and text, or function name and arguments."""
+    items: list[tuple[Any, ...]] = []
+    for item in output:
+        if item["type"] == "function_call":
+            items.append(("function_call", item["name"], json.loads(item["arguments"] or "{}")))
+        else:
+            items.append((item["type"], "".join(part.get("text") or "" for part in item.get("content") or [])))
+    return items
+
+
+def responses_both(server: Any, client: openai.OpenAI, body: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
+    """Stream `body` twice: its events joined by hand (each item at its `output_index`) and by the
+    `openai` client's `responses.stream` helper both give the non-streamed `full` output. Returns the
+    final event of the raw stream."""
+    events = responses_stream(server, body)
+    joined: list[dict[str, Any]] = []
+    for event in events:
+        index = event.get("output_index")
+        if event["type"] == "response.output_item.added":
+            while len(joined) <= index:  # an index past the end leaves a hole
+                joined.append({"type": "hole"})
+            item = event["item"]
+            joined[index] = {**item, "arguments": "", "content": [{"text": ""}]}
+        elif event["type"] == "response.function_call_arguments.delta":
+            joined[index]["arguments"] += event["delta"]
+        elif event["type"] in ("response.output_text.delta", "response.reasoning_text.delta"):
+            joined[index]["content"][0]["text"] += event["delta"]
+    assert output_items(joined) == output_items(full["output"])
+
+    known = ("model", "input", "tools", "max_output_tokens", "parallel_tool_calls")
+    with client.responses.stream(
+        **{key: body[key] for key in known if key in body},
+        extra_body={key: value for key, value in body.items() if key not in known},
+    ) as stream:
+        assembled = [e.response for e in stream if e.type in ("response.completed", "response.incomplete")]
+    assert output_items(assembled[-1].model_dump(mode="json")["output"]) == output_items(full["output"])
+    return events[-1]
+
+
+def messages_both(server: Any, request: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """The non-streamed message, checked against its stream joined by hand (each block at its
+    `index`) and by the `anthropic` client's `messages.stream` helper; and the stream's events.
+
+    An empty text block is left out of the comparison: vLLM gives an empty non-streamed message
+    one (Anthropic's canonical shape), and its stream none."""
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    message = client.messages.create(**request)
+    with client.messages.stream(**request) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    joined: list[list[Any]] = []  # [type, name, text or partial JSON]
+    for event in events:
+        if event.type == "content_block_start":
+            while len(joined) <= event.index:  # an index past the end leaves a hole
+                joined.append(["hole", None, ""])
+            block = event.content_block
+            joined[event.index] = [block.type, getattr(block, "name", None), ""]
+        elif event.type == "content_block_delta":
+            delta = event.delta
+            for field in ("partial_json", "text", "thinking"):
+                joined[event.index][2] += getattr(delta, field, None) or ""
+
+    def blocks(content: list[Any]) -> list[tuple[Any, ...]]:
+        return [
+            ("tool_use", b.name, b.input)
+            if b.type == "tool_use"
+            else (b.type, getattr(b, "text", getattr(b, "thinking", "")))
+            for b in content
+            if not (b.type == "text" and not b.text)
+        ]
+
+    by_hand = [
+        (kind, name, json.loads(text or "{}")) if kind == "tool_use" else (kind, text)
+        for kind, name, text in joined
+        if not (kind == "text" and not text)
+    ]
+    assert by_hand == blocks(final.content) == blocks(message.content)
+    return message, events
+
+
 # Responses API: reasoning and tool calls, streamed and not
 
 
-def test_responses_reasoning_and_parallel_calls(server: Any, harness: Qwen38Harness) -> None:
+def test_responses_reasoning_and_parallel_calls(server: Any, client: openai.OpenAI, harness: Qwen38Harness) -> None:
     calls = [("get_weather", {"city": "Paris", "days": "3"}), ("get_weather", {"city": "Rome", "days": "1"})]
     text = "Hmm, two cities.\n</think>\n\nChecking.\n" + "\n".join(render_call(n, a) for n, a in calls)
     body = {
@@ -573,18 +740,9 @@ def test_responses_reasoning_and_parallel_calls(server: Any, harness: Qwen38Harn
     assert parsed == [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Rome", "days": 1})]
     assert "tool_call_issues" not in full
 
-    events = responses_stream(server, body)
-    assert strip_ids(events[-1]["response"]["output"]) == strip_ids(full["output"])
-    # The deltas, joined, give the same items as the final response.
-    reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
-    text_out = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-    arguments: dict[int, str] = {}
-    for event in events:
-        if event["type"] == "response.function_call_arguments.delta":
-            arguments[event["output_index"]] = arguments.get(event["output_index"], "") + event["delta"]
-    assert reasoning == full["output"][0]["content"][0]["text"]
-    assert text_out == full["output"][1]["content"][0]["text"]
-    assert [json.loads(arguments[i]) for i in sorted(arguments)] == [args for _, args in parsed]
+    # The deltas, joined by hand and by the openai client's helper, give the same items.
+    final = responses_both(server, client, body, full)
+    assert strip_ids(final["response"]["output"]) == strip_ids(full["output"])
 
 
 # Keep-alive, the request log and stalled requests
