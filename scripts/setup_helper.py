@@ -39,8 +39,10 @@ from pip._vendor.packaging.version import Version
 NOT_INSTALLED_MARKER = "# not installed by scripts/setup.sh"
 # What PyPI's public torch brings and the PyTorch CPU index's build does not: the CUDA runtime.
 CUDA_RUNTIME = re.compile(r"^(nvidia-.*|cuda-.*|triton)$")
-# Measured on 2026-11-30 (PyPI's public torch): a 6.6 GB .venv from 3.2 GB of wheels (see README).
+# Measured on 2026-11-30 (PyPI's public torch): a 6.6 GB .venv from 3.2 GB of wheels (see README),
+# of which the NVIDIA libraries 2.9 GB (site-packages/nvidia) from 2.0 GB of wheels.
 INSTALLED_PER_DOWNLOADED = 2.1
+CUDA_INSTALLED_PER_DOWNLOADED = 1.45
 GB = 1e9
 
 
@@ -230,7 +232,7 @@ def plan(constraints: Path, index: str, venv: Path, exclude_cuda: bool) -> None:
         if cuda:
             parts.append(
                 f"{len(cuda)} NVIDIA CUDA libraries {sum(cuda.values()) / GB:.2f} GB "
-                f"({sum(cuda.values()) * INSTALLED_PER_DOWNLOADED / GB:.1f} GB installed, unused on a CPU)"
+                f"({sum(cuda.values()) * CUDA_INSTALLED_PER_DOWNLOADED / GB:.1f} GB installed, unused on a CPU)"
             )
         others = len(sizes) - bool(torch) - len(cuda)
         parts.append(f"{others} other distributions {(total - torch - sum(cuda.values())) / GB:.2f} GB")
