@@ -235,7 +235,8 @@ def plan(constraints: Path, index: str, venv: Path, exclude_cuda: bool) -> None:
                 f"({sum(cuda.values()) * CUDA_INSTALLED_PER_DOWNLOADED / GB:.1f} GB installed, unused on a CPU)"
             )
         others = len(sizes) - bool(torch) - len(cuda)
-        parts.append(f"{others} other distributions {(total - torch - sum(cuda.values())) / GB:.2f} GB")
+        if others:
+            parts.append(f"{others} other distributions {(total - torch - sum(cuda.values())) / GB:.2f} GB")
         say(f"downloads {total / GB:.1f} GB from {index}: {', '.join(parts)}")
         say(f"{venv} grows by about {total * INSTALLED_PER_DOWNLOADED / GB:.1f} GB")
         if cuda:
