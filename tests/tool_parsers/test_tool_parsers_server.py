@@ -763,7 +763,8 @@ def test_idle_streams_get_keep_alive_comments(server: Any, harness: Qwen38Harnes
         body: dict[str, Any] = {"model": "tiny", "input": "hi", "max_output_tokens": 8, "stream": True}
     else:
         request = messages_request(8)
-        body = {**request, **request.pop("extra_body"), "stream": True}
+        extra = request.pop("extra_body")  # merged into the body, not sent as a field of its own
+        body = {**request, **extra, "stream": True}
         body.pop("tool_choice"), body.pop("tools")
     lines = sse_lines(server, path, {**body, "vllm_xargs": xargs})
     assert all(line == "" or line.startswith(("event:", "data:", ": keep-alive")) for line in lines), lines
