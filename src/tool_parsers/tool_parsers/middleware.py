@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, ClassVar
 
+from tool_parsers.request_checks import RequestChecksMiddleware
 from tool_parsers.request_context import (
     ISSUES_FIELD,
     ISSUES_HEADER,
@@ -748,10 +749,12 @@ class _ResponseRewriter:
 
 
 class Qwen38Middleware:
-    """All of the above, with the request timeline outermost."""
+    """All of the above, with the request timeline outermost and the request checks
+    (`tool_parsers.request_checks`) right inside it."""
 
     def __init__(self, app: ASGIApp) -> None:
-        self.app = RequestTimelineMiddleware(SseKeepAliveMiddleware(ToolCallResponseMiddleware(app)))
+        inner = SseKeepAliveMiddleware(ToolCallResponseMiddleware(app))
+        self.app = RequestTimelineMiddleware(RequestChecksMiddleware(inner))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.app(scope, receive, send)
