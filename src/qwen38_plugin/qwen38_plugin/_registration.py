@@ -78,6 +78,10 @@ def register_with_vllm() -> list[str]:
 
     registered = [f"transformers config {name}" for name in register_alias_configs()]
     summary = _registration_summary()  # also refuses a bad QWEN38_FORCE_PORTABLE value
+    from qwen38_plugin.cpu_seeded_sampling import install as install_cpu_seeded_sampling_fix
+
+    if install_cpu_seeded_sampling_fix() != "not CPU":
+        registered.append("CPU seeded-sampling fix")
     from vllm import ModelRegistry
 
     # A lazy "module:Class" reference: vLLM imports the dispatcher only when it inspects or
