@@ -1,6 +1,8 @@
 # The two commands of the README: `make demo` (set up, then serve the embedded tiny model
 # and answer a real request) and `make test` (set up, then every check CI runs).
-.PHONY: setup demo test
+# `make soak` runs the full soak load (240 requests, 32 at once); `make test` runs its short
+# variant (40 requests, 8 at once) with everything else.
+.PHONY: setup demo test soak
 
 setup:
 	scripts/setup.sh
@@ -10,3 +12,6 @@ demo: setup
 
 test: setup
 	scripts/test.sh
+
+soak: setup
+	SOAK_REQUESTS=240 SOAK_CONCURRENCY=32 .venv/bin/pytest tests/soak
