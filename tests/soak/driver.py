@@ -6,8 +6,9 @@ server the URL names (the CPU test server of `test_soak.py`, or a GPU server lat
 
 The load (`build_workload`, one `random.Random(seed)`):
 
-* `completion`: `/v1/completions` with token-id prompts, short (1-40 tokens) or long (a
-  quarter to 60% of `max_model_len`, capped), streamed or not;
+* `completion`: `/v1/completions` with token-id prompts, short (1-40 tokens) or long (a third
+  of to all of `long`: 60% of what `max_model_len` leaves after the answer, at most
+  `long_prompt_tokens`), some with long outputs (up to `long_output_tokens`);
 * `chat` and `messages`: multi-turn conversations through the `openai` and `anthropic`
   clients. Every turn of a conversation is a request of its own whose prompt extends the
   previous turn's, and the conversations share a few system prompts, one of them long: the
@@ -233,14 +234,13 @@ class SoakReport:
 
     def summary(self) -> str:
         delta = self.metrics_delta
-        aborted = delta.get('vllm:request_success_total{finished_reason="abort"}', 0.0)
         lines = [
             f"soak: {self.requests} requests ({self.compared} compared with their solo reference), "
             f"{self.streamed} streamed, up to {self.concurrency} at once (peak in flight {self.peak_in_flight}), "
             f"soak pass {self.soak_seconds:.1f} s, reference pass {self.reference_seconds:.1f} s",
             "  kinds: " + ", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items())),
             f"  engine: preemptions {self.preemptions:g}, prefix cache hits {self.prefix_hits:g} of "
-            f"{delta.get('vllm:prefix_cache_queries_total', 0.0):g} queried tokens, aborted requests {aborted:g}, "
+            f"{delta.get('vllm:prefix_cache_queries_total', 0.0):g} queried tokens, "
             f"peak running {self.peak_running:g} / waiting {self.peak_waiting:g}, "
             f"peak KV usage {self.peak_kv_usage:.1%}",
             f"  KV usage idle before {self.kv_idle_before} / after {self.kv_idle_after}",
@@ -248,6 +248,12 @@ class SoakReport:
             f"slowest {self.health_max_seconds:.2f} s",
             f"  mismatches {len(self.mismatches)}, errors {len(self.errors)}",
         ]
+        if self.cancelled_chunks:
+            lines.append(
+                f"  cancelled {len(self.cancelled_chunks)} streams after {min(self.cancelled_chunks)}-"
+                f"{max(self.cancelled_chunks)} chunks, {self.kinds.get('disconnect', 0)} clients disconnected "
+                f"without reading (vLLM logs aborts only with --enable-log-requests)"
+            )
         lines += [f"  PROBLEM {p}" for p in self.problems()[:20]]
         return "\n".join(lines)
 
@@ -802,7 +808,6 @@ async def run_soak(config: SoakConfig, log: Callable[[str], None] = print) -> So
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
         "vllm:request_success_total",
-        'vllm:request_success_total{finished_reason="abort"}',
     )
     delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in watched}
     return SoakReport(

@@ -42,6 +42,9 @@ REQUESTS = int(os.environ.get("SOAK_REQUESTS", "40"))
 CONCURRENCY = int(os.environ.get("SOAK_CONCURRENCY", "8"))
 SEED = int(os.environ.get("SOAK_SEED", "0"))
 
+# A guard against a hung server, not a timed assertion: the load's size sets it.
+pytestmark = pytest.mark.timeout(max(1200, 10 * REQUESTS))
+
 MODEL = "tiny"
 MAX_MODEL_LEN = 1024
 MAX_N = 8  # TOOL_PARSERS_MAX_N: an operator's limit below the default of 16
