@@ -152,7 +152,7 @@ def check_select_groups() -> str:
             complete[4] = 1
         for r in range(rows):
             scores[r, int(complete[r]) :] = float("-inf")
-        want = qsa_paged.select_groups_torch(scores, complete, topk)
+        want = qsa_paged.select_groups_lowest_torch(scores, complete, topk)
         out = torch.full((rows, topk), -7, dtype=torch.int32, device=DEVICE)
         qsa_paged.select_groups_triton(scores, complete, topk, out, block=block)
         assert torch.equal(out.long(), want), f"select groups {rows}x{groups} top {topk}:\n{out}\n{want}"

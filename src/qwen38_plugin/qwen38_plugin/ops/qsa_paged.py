@@ -130,27 +130,61 @@ def slot_mappings(
     - ring: the request's last ``ring_capacity`` tokens of the step (``p >= seq_len - cap``), so no
       two tokens of a step write the same ring row.
     """
-    real = token_req >= 0
-    req = token_req.clamp(min=0).long()
-    pos = positions.long().clamp(min=0)
-    none = torch.full_like(pos, -1)
-    kv = torch.where(real, _lookup(kv_block_table, req, pos // block_size) * block_size + pos % block_size, none)
+    kv = kv_slots(token_req, positions, kv_block_table, block_size=block_size)
     if key_block_table is None:
         return SlotMappings(kv, None, None)
     if ratio is None or ring_block is None or ring_capacity is None:
         raise ValueError("slot_mappings: an indexer needs key_block_table, ring_block, ratio and ring_capacity")
-    if block_size % ratio or ring_capacity % ratio or ring_capacity < ratio:
-        raise ValueError(
-            f"slot_mappings: block size {block_size} and ring capacity {ring_capacity} must be multiples of the "
-            f"ratio {ratio} (and the ring at least one group)"
-        )
+    key = key_slots(token_req, positions, key_block_table, block_size=block_size, ratio=ratio)
+    ring = ring_slots(token_req, positions, seq_lens, ring_block, ring_capacity=ring_capacity, ratio=ratio)
+    return SlotMappings(kv, key, ring)
+
+
+def _request_and_position(token_req: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(real token mask, request row clamped for gathers, position clamped, -1 of the same shape)."""
+    pos = positions.long().clamp(min=0)
+    return token_req >= 0, token_req.clamp(min=0).long(), pos, torch.full_like(pos, -1)
+
+
+def kv_slots(
+    token_req: torch.Tensor, positions: torch.Tensor, kv_block_table: torch.Tensor, *, block_size: int
+) -> torch.Tensor:
+    """`SlotMappings.kv`: every real token's K/V row (vLLM's own slot mapping equals it)."""
+    real, req, pos, none = _request_and_position(token_req, positions)
+    return torch.where(real, _lookup(kv_block_table, req, pos // block_size) * block_size + pos % block_size, none)
+
+
+def key_slots(
+    token_req: torch.Tensor, positions: torch.Tensor, key_block_table: torch.Tensor, *, block_size: int, ratio: int
+) -> torch.Tensor:
+    """`SlotMappings.key`: a token that completes a group writes that group's key, no other token."""
+    if block_size % ratio:
+        raise ValueError(f"key_slots: block size {block_size} must be a multiple of the ratio {ratio}")
+    real, req, pos, none = _request_and_position(token_req, positions)
     per_block = block_size // ratio
     group = pos // ratio
     closing = real & ((pos + 1) % ratio == 0)
-    key = torch.where(closing, _lookup(key_block_table, req, group // per_block) * per_block + group % per_block, none)
+    return torch.where(closing, _lookup(key_block_table, req, group // per_block) * per_block + group % per_block, none)
+
+
+def ring_slots(
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ring_block: torch.Tensor,
+    *,
+    ring_capacity: int,
+    ratio: int,
+) -> torch.Tensor:
+    """`SlotMappings.ring`: each request's last ``ring_capacity`` tokens of the step (earlier ones
+    would be overwritten in the same step, and two writes to one row would race)."""
+    if ring_capacity % ratio or ring_capacity < ratio:
+        raise ValueError(
+            f"ring_slots: ring capacity {ring_capacity} must be a multiple of the ratio {ratio} (at least one group)"
+        )
+    real, req, pos, none = _request_and_position(token_req, positions)
     last = real & (pos >= seq_lens.long()[req] - ring_capacity)
-    ring = torch.where(last, ring_block.long()[req] * ring_capacity + pos % ring_capacity, none)
-    return SlotMappings(kv, key, ring)
+    return torch.where(last, ring_block.long()[req] * ring_capacity + pos % ring_capacity, none)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -913,8 +947,27 @@ def index_scores_triton(
 
 def select_groups_torch(scores: torch.Tensor, complete: torch.Tensor, topk: int) -> torch.Tensor:
     """Reference of the selection: ``[C, topk]`` int64, for each row with ``complete > topk`` the
-    ``topk`` highest of its scores ``[C, G]`` (-inf past complete) in ascending group order, ties
-    at the topk-th score going to the lowest groups; ``0 .. complete - 1`` then -1 for the others."""
+    ``topk`` highest of its scores ``[C, G]`` (-inf past complete) in ascending group order;
+    ``0 .. complete - 1`` then -1 for the others.
+
+    It selects exactly as transformers' indexer does: ``torch.topk`` over exactly the row's
+    complete groups (rows of equal length together), so on exact ties (several groups whose heads
+    all score below zero, say) it picks the same groups as the oracle, and the CPU model
+    reproduces transformers token for token. That needs each distinct length on the host: this is
+    the CPU path (and the reference of the tests), where reading it costs nothing.
+    """
+    ranks = torch.arange(topk, device=scores.device)
+    chosen = torch.where(ranks[None, :] < complete[:, None], ranks[None, :], -1)
+    longer = complete > topk
+    for length in torch.unique(complete[longer]).tolist():
+        rows = (complete == length).nonzero().flatten()
+        chosen[rows] = scores[rows, :length].topk(topk, dim=1).indices.sort(dim=1).values
+    return chosen
+
+
+def select_groups_lowest_torch(scores: torch.Tensor, complete: torch.Tensor, topk: int) -> torch.Tensor:
+    """`select_groups_triton`'s reference: as `select_groups_torch`, except that ties at the topk-th
+    score go to the lowest groups (a rule a kernel can follow without host reads)."""
     rows, groups = scores.shape
     device = scores.device
     threshold = scores.topk(topk, dim=1).values[:, -1:]  # the topk-th largest score
@@ -985,10 +1038,10 @@ def index_topk(
     ``sum_h relu(q_h . key_g) / sqrt(Di)`` (fp32, keys upcast), in ascending order: the groups of
     `ops.qsa.select_with_index_queries`. Padding tokens get -1 rows.
 
-    Ties: groups scoring strictly above the topk-th score are always chosen; among the groups
-    that tie exactly at it (e.g. several all-relu-zero groups), the lowest are, on both paths.
-    The oracle's torch.topk over exactly the complete groups resolves such ties its own
-    (implementation-defined) way, so there the two may choose different groups of equal score.
+    Ties: groups scoring strictly above the topk-th score are always chosen. Among groups that tie
+    exactly at it (e.g. several all-relu-zero groups) the torch path chooses as transformers does
+    (`select_groups_torch`), the Triton path the lowest, so there the two may choose different
+    groups of equal score.
     The Triton scores and torch's differ by rounding (summation order), so two groups within
     about an fp32 ulp of each other at the budget's edge may also be chosen differently.
 
@@ -1240,6 +1293,9 @@ __all__ = [
     "index_scores_triton",
     "index_topk",
     "key_positions",
+    "key_slots",
+    "kv_slots",
+    "ring_slots",
     "slot_mappings",
     "sparse_attention",
     "sparse_attention_torch",
