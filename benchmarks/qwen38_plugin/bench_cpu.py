@@ -13,7 +13,6 @@ this machine, one after the other:
   calling process; vLLM binds no threads there, so ``--threads N`` sets torch's thread count).
   The two differ by what vLLM's engine adds around the model (scheduling, inter-process
   messages); results/bench_cpu.txt records both.
-  ``--reference-ops`` runs ours with ``QWEN38_CPU_KERNELS=0`` (no vLLM CPU kernels) as well.
 Prefill tokens/s uses max_tokens=1; decode tokens/s uses (generated tokens) / (total - prefill
 time); each side runs ``--repeats`` times (default 3) after a warm-up and the medians are printed.
 Peak memory is the sum of the peak RSS (VmHWM) of the measuring process and its live
@@ -238,7 +237,6 @@ def main() -> None:
     parser.add_argument("--threads", default="auto", help="compute threads of both sides, or auto (see above)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side; the medians are printed")
     parser.add_argument("--engine", choices=[*ENGINES, "both"], default="both", help="vLLM engine layout(s), see above")
-    parser.add_argument("--reference-ops", action="store_true", help="also run ours without vLLM's CPU kernels")
     parser.add_argument("--child", choices=["vllm", "transformers"])
     args = parser.parse_args()
     if args.threads != "auto" and not (args.threads.isdigit() and 0 < int(args.threads) <= (os.cpu_count() or 1)):
@@ -250,15 +248,13 @@ def main() -> None:
     print(f"concurrency {args.concurrency}, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"{args.dtype}, threads {args.threads}, {os.cpu_count()} CPUs")  # fmt: skip
     engines = list(ENGINES) if args.engine == "both" else [args.engine]
-    variants = [(engine, True) for engine in engines] + ([(engines[0], False)] if args.reference_ops else [])
     for name in names:
         ref = run_child("transformers", name, args)
         print(f"{name:7s} transformers: {ref['threads']:.0f} threads, prefill {ref['prefill_tok_s']:.1f} tok/s, "
               f"decode {ref['decode_tok_s']:.1f} tok/s, peak RSS {ref['peak_rss_mib']:.0f} MiB")  # fmt: skip
-        for engine, kernels in variants:
-            env = {**ENGINES[engine], **({} if kernels else {"QWEN38_CPU_KERNELS": "0"})}
-            ours = run_child("vllm", name, args, env)
-            label = f"ours, {engine} engine" + ("" if kernels else ", reference ops")
+        for engine in engines:
+            ours = run_child("vllm", name, args, ENGINES[engine])
+            label = f"ours, {engine} engine"
             print(f"{name:7s} {label} ({ours['threads']:.0f} threads)")
             for key in ("prefill_tok_s", "decode_tok_s", "peak_rss_mib"):
                 print(f"{name:7s}   {key:14s} ours {ours[key]:10.1f}  transformers {ref[key]:10.1f}  "

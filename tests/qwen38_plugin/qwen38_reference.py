@@ -49,3 +49,47 @@ def assert_fp32_equals_reference(hf: Any, core: Any, prompts: Sequence[list[int]
             expected_tokens, expected_logits = reference_greedy_one(hf, prompt, steps)
             assert rel_err(logits, expected_logits) < 1e-4
             assert tokens == expected_tokens
+
+
+# The top-two logprob margin under which transformers' own greedy choice is a near-tie in a half
+# precision: a few units of the format's resolution at the logits' scale (bf16 keeps 8 mantissa
+# bits, fp16 11), so any other rounding order may choose the other token there.
+NEAR_TIE = {torch.bfloat16: 2**-5, torch.float16: 2**-8}
+
+
+def reference_greedy_margins(path: Path, prompts: Sequence[list[int]], steps: int, dtype: torch.dtype) -> tuple[
+    list[list[int]], list[list[float]]
+]:  # fmt: skip
+    """transformers' greedy tokens per prompt and, at every step, the margin between its top two logprobs."""
+    hf = load_reference(path, dtype)
+    tokens, margins = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0,
+                output_scores=True, return_dict_in_generate=True,
+            )  # fmt: skip
+            tokens.append(out.sequences[0, len(prompt) :].tolist())
+            top2 = [torch.log_softmax(s[0].float(), -1).topk(2).values for s in out.scores]
+            margins.append([float(t[0] - t[1]) for t in top2])
+    return tokens, margins
+
+
+def assert_greedy_equal_until_near_tie(
+    served: Sequence[list[int]], reference: Sequence[list[int]], margins: Sequence[list[float]], tolerance: float
+) -> int:
+    """Each served continuation equals transformers' up to its first differing step, and there
+    transformers' top two logprobs are within ``tolerance`` (a near-tie, where a half precision
+    may go either way; after it the continuations are different texts). Returns how many
+    continuations are identical throughout."""
+    identical = 0
+    for prompt, (ours, theirs, margin) in enumerate(zip(served, reference, margins, strict=True)):
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+        if first is None:
+            identical += 1
+            continue
+        assert margin[first] < tolerance, (
+            f"prompt {prompt}: step {first} differs ({ours[first]} vs transformers' {theirs[first]}) where "
+            f"transformers' top-two logprob margin is {margin[first]:.4f}, not a near-tie (< {tolerance})"
+        )
+    return identical

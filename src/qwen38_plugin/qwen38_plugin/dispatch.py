@@ -49,7 +49,6 @@ class Target:
     speculative_method: str | None = None
     pipeline_parallel_size: int = 1
     enable_hc_sp: bool = False
-    quantization: str | None = None
 
     def describe(self) -> str:
         where = (
@@ -124,8 +123,6 @@ def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
         lacks.append(f"pipeline_parallel_size={target.pipeline_parallel_size}: use --pipeline-parallel-size 1")
     if target.enable_hc_sp:
         lacks.append("--enable-hc-sp (hyper-connection sequence parallelism): drop it")
-    if target.quantization is not None:
-        lacks.append(f"quantization {target.quantization!r}: serve an unquantized checkpoint")
     if lacks:
         raise DispatchError(
             f"{ARCHITECTURE} runs on qwen38_plugin's portable model here ({choice.reason}), which does not "
@@ -149,7 +146,6 @@ def target_of(vllm_config: VllmConfig, platform: tuple[str, tuple[int, int] | No
         speculative_method=spec.method if spec is not None else None,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         enable_hc_sp=bool(getattr(parallel, "enable_hc_sp", False)),
-        quantization=vllm_config.model_config.quantization,
     )
 
 

@@ -66,8 +66,11 @@ def check_config(config: Any) -> None:
             raise ConfigError(f"ple_layer_ids: layers {bad} are not linear_attention layers; PLE needs them")
 
 
-def check_tensor_parallel(config: Any, tp_size: int) -> None:
+def check_tensor_parallel(config: Any, tp_size: int, split_vocabulary: bool = True) -> None:
     """Refuse a tensor-parallel size the geometry cannot be split over, naming the count.
+
+    ``split_vocabulary=False`` for vLLM's vocabulary-parallel layers, which pad the vocabulary
+    themselves, and a model that keeps the PLE table whole on every rank.
 
     The split mirrors stock vLLM's Qwen4Exp: query heads, GDN key and value heads (with their
     conv channels, gates and decay parameters) and every expert's intermediate dimension (routed
@@ -84,9 +87,10 @@ def check_tensor_parallel(config: Any, tp_size: int) -> None:
         "linear_num_value_heads": (config.linear_num_value_heads, "heads"),
         "moe_intermediate_size": (config.moe_intermediate_size, "expert intermediate features"),
         "shared_expert_intermediate_size": (config.shared_expert_intermediate_size, "shared-expert features"),
-        "vocab_size": (config.vocab_size, "vocabulary rows"),
     }
-    if config.ple_layer_ids:
+    if split_vocabulary:
+        counts["vocab_size"] = (config.vocab_size, "vocabulary rows")
+    if split_vocabulary and config.ple_layer_ids:
         counts["make_ngram_vocab_size_divisible_by"] = (config.make_ngram_vocab_size_divisible_by, "PLE table rows")
     for name, (count, what) in counts.items():
         if count % tp_size:
@@ -162,28 +166,6 @@ def _linear(out_features: int, in_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
 
 
-LinearKernel = Callable[[torch.Tensor], torch.Tensor]
-"""``x [..., in] -> x @ W.T [..., out]`` for one fixed weight W, computed some faster way."""
-
-
-class Projection(nn.Linear):
-    """A bias-free linear layer the model calls as a module, so that a serving adapter can swap
-    its product for a kernel computing the same product (`use_kernel`; the vLLM adapter installs
-    vLLM's prepacked CPU GEMM). Without a kernel it is ``F.linear``, the reference."""
-
-    def __init__(self, out_features: int, in_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
-        self.kernel: LinearKernel | None = None
-
-    def use_kernel(self, kernel: LinearKernel) -> None:
-        self.kernel = kernel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x)
-        return nn.functional.linear(x, self.weight)
-
-
 def _vector(size: int) -> nn.Parameter:
     return nn.Parameter(torch.zeros(size))
 
@@ -249,15 +231,15 @@ class GatedDeltaNet(nn.Module):
         self.eps = config.rms_norm_eps
         self.gate_activation = config.output_gate_type or config.hidden_act
         hidden, value_dim = config.hidden_size, self.num_v_heads * self.head_v_dim
-        self.in_proj_qkv = Projection(self.conv_dim, hidden)
-        self.in_proj_z = Projection(value_dim, hidden)
-        self.in_proj_b = Projection(self.num_v_heads, hidden)
-        self.in_proj_a = Projection(self.num_v_heads, hidden)
+        self.in_proj_qkv = _linear(self.conv_dim, hidden)
+        self.in_proj_z = _linear(value_dim, hidden)
+        self.in_proj_b = _linear(self.num_v_heads, hidden)
+        self.in_proj_a = _linear(self.num_v_heads, hidden)
         self.conv1d = _Weight(self.conv_dim, 1, self.kernel)
         self.A_log = _vector(self.num_v_heads)
         self.dt_bias = _vector(self.num_v_heads)
         self.norm = _Norm(self.head_v_dim)
-        self.out_proj = Projection(hidden, value_dim)
+        self.out_proj = _linear(hidden, value_dim)
         # Checkpoint layout of the conv channels: all q heads, all k heads, all v heads.
         key_dim, total_value_dim = total_k * self.head_k_dim, total_v * self.head_v_dim
         channels = tuple(
@@ -300,7 +282,7 @@ class GatedDeltaNet(nn.Module):
 class Indexer(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.index_qk_proj = Projection((config.indexer_n_heads + 1) * config.indexer_head_dim, config.hidden_size)
+        self.index_qk_proj = _linear((config.indexer_n_heads + 1) * config.indexer_head_dim, config.hidden_size)
         self.q_layernorm = _Norm(config.indexer_head_dim)
         self.k_layernorm = _Norm(config.indexer_head_dim)
 
@@ -320,10 +302,10 @@ class QSAAttention(nn.Module):
         self.num_kv_heads = kv_heads = max(1, total_kv // tp.size)
         # The KV heads of this rank's query heads: its share, or the one head its rank group shares.
         kv_index = tp.rank if total_kv >= tp.size else tp.rank // (tp.size // total_kv)
-        self.q_proj = Projection(heads * head_dim * 2, hidden)
-        self.k_proj = Projection(kv_heads * head_dim, hidden)
-        self.v_proj = Projection(kv_heads * head_dim, hidden)
-        self.o_proj = Projection(hidden, heads * head_dim)
+        self.q_proj = _linear(heads * head_dim * 2, hidden)
+        self.k_proj = _linear(kv_heads * head_dim, hidden)
+        self.v_proj = _linear(kv_heads * head_dim, hidden)
+        self.o_proj = _linear(hidden, heads * head_dim)
         self.q_norm = _Norm(head_dim)
         self.k_norm = _Norm(head_dim)
         self.indexer = Indexer(config) if config.indexer_budget is not None else None
@@ -469,25 +451,12 @@ class SparseMoe(nn.Module):
             "shared_expert.down_proj.weight": tp.slice(1, shared_i),
         }  # fmt: skip
 
-    experts_kernel: moe.ExpertsKernel | None = None
-
-    def use_experts_kernel(self, kernel: moe.ExpertsKernel) -> None:
-        """Run the routed and shared experts through ``kernel`` (it holds their weights in its own layout)."""
-        self.experts_kernel = kernel
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert
-        # With a kernel the expert weights are not read (the kernel holds them): no concatenation.
-        shared_gate_up = (
-            torch.cat([shared.gate_proj.weight, shared.up_proj.weight])
-            if self.experts_kernel is None
-            else shared.gate_proj.weight
-        )
         return self.tp.all_reduce(moe.moe(
             x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
-            shared_gate_up, shared.down_proj.weight,
+            torch.cat([shared.gate_proj.weight, shared.up_proj.weight]), shared.down_proj.weight,
             self.shared_expert_gate.weight, top_k=self.top_k, normalize=self.normalize,
-            experts=self.experts_kernel,
         ))  # fmt: skip
 
 
@@ -620,7 +589,7 @@ class Qwen4ExpCore(nn.Module):
         self.config = config
         self.model = TextModel(config, tp)
         # Split by vocabulary rows: each rank computes its logits, gathered over the ranks.
-        self.lm_head = Projection(tp.local(config.vocab_size), config.hidden_size)
+        self.lm_head = _linear(tp.local(config.vocab_size), config.hidden_size)
         self.tp_shards = {"lm_head.weight": tp.slice(0, config.vocab_size)}
         self._tp_shards: dict[str, Shard] = {
             f"{module_name}.{name}" if module_name else name: shard

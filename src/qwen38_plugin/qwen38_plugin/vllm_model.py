@@ -1,256 +1,246 @@
-"""The portable Qwen4Exp model inside vLLM: `Qwen4ExpCore` plus the wiring to vLLM's caches.
+"""The portable Qwen4Exp model inside vLLM, built from vLLM's own layers.
 
-vLLM's hybrid cache manager owns every state:
-- each `linear_attention` layer has one mamba-style state slot per request holding the GDN
-  conv state, the GDN recurrent state (fp32) and, when the model has PLE, the PLE conv state
-  and the n-gram context (int64) of that layer. The slot uses vLLM's GDN metadata (state
-  index per request, whether it continues from a state), so chunked prefill, prefix caching
-  (state copies in "align" mode) and preemption are vLLM's own;
-- each `indexed_attention` layer has a paged K/V cache, a paged cache of one compressed QSA
-  indexer key per complete group and a per-request ring of the open group's raw indexer keys
-  (`vllm_qsa_cache`). Our small attention backend only turns vLLM's common metadata into block
-  tables and lengths; the attention itself is `ops.qsa`.
+Where stock vLLM cannot run Qwen3.8 Flash-Next (CPU, CUDA below 8.0, fp16 / fp32), this model
+serves it with vLLM's layers, so tensor parallelism, weight loading and every quantization
+method registered with vLLM apply through ``quant_config``:
 
-This module imports vLLM; it is loaded only when vLLM builds the model.
+| block | built from |
+|---|---|
+| token embedding, lm_head | `VocabParallelEmbedding`, `ParallelLMHead`, `LogitsProcessor` |
+| Gated DeltaNet (`linear_attention`) | vLLM's `QwenGatedDeltaNetAttention` (`vllm_gdn`) |
+| QSA (`indexed_attention`) | `QKVParallelLinear` / `RowParallelLinear` + `ops.qsa_paged` on paged caches (`vllm_qsa`) |
+| MoE | vLLM's `Qwen3NextSparseMoeBlock` (`FusedMoE` with a gated shared expert) |
+| PLE | vLLM linear layers, the table in host memory, `ops.ple_varlen` (`vllm_ple`) |
+| hyper-connections | `ops.hyper_connection` (small replicated mixers) |
+
+States live in vLLM's hybrid cache: a mamba-style slot per `linear_attention` layer (GDN conv
+and recurrent states, plus the PLE states when the model has PLE) with vLLM's GDN metadata, and
+three paged caches per `indexed_attention` layer (`vllm_qsa_cache`). Every op of a step runs on
+all of its requests at once, reads nothing back to the host and builds its per-step metadata in
+the attention backends' builders, so decode steps run in CUDA graphs.
+
+The plain-torch reference (`qwen38_plugin.model`, `qwen38_plugin.ops`) stays the oracle of the
+tests; this module imports vLLM and is loaded only when vLLM builds the model.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import (
-    get_tensor_model_parallel_rank,
-    tensor_model_parallel_all_gather,
-    tensor_model_parallel_all_reduce,
-)
-from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMambaPrefixCaching
-from vllm.platforms import current_platform
+from vllm.model_executor.models.qwen3_next import Qwen3NextSparseMoeBlock
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from qwen38_plugin.dispatch import logger
-from qwen38_plugin.model import (
-    QSAPast,
-    Qwen4ExpCore,
-    TensorParallel,
-    check_config,
-    check_tensor_parallel,
-    eos_id,
+from qwen38_plugin.model import ConfigError, check_config, check_tensor_parallel
+from qwen38_plugin.ops import hyper_connection
+from qwen38_plugin.vllm_gdn import (
+    PortableGatedDeltaNet,
+    prefer_triton_prefill,
+    slot_state_copy_funcs,
+    slot_state_dtypes,
+    slot_state_shapes,
 )
-from qwen38_plugin.ops.qsa import IndexerStep
-from qwen38_plugin.vllm_qsa_cache import QSAKVCache
+from qwen38_plugin.vllm_ple import NGramTable, PortablePLE
+from qwen38_plugin.vllm_qsa import PortableQSAAttention, RotaryTable
+from qwen38_plugin.vllm_qsa_cache import model_dtype
 
-# ---------------------------------------------------------------------------------------------
-# State shapes (per request slot)
-# ---------------------------------------------------------------------------------------------
+# Checkpoint names -> the fused vLLM modules (shard ids as vLLM's loaders expect them).
+_WEIGHTS_MAPPER = WeightsMapper(
+    orig_to_new_prefix={"model.language_model.": "model.", "mtp.": None, "model.visual.": None},
+    orig_to_new_stacked={
+        ".q_proj": (".qkv_proj", "q"),
+        ".k_proj": (".qkv_proj", "k"),
+        ".v_proj": (".qkv_proj", "v"),
+        ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
+        ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
+        ".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)),
+        ".in_proj_z": (".in_proj_qkvz", 3),
+        ".in_proj_b": (".in_proj_ba", 0),
+        ".in_proj_a": (".in_proj_ba", 1),
+    },
+)
+_PLE_SHARD = ".ple_embedding.ngram_embedding.shard_"
 
 
-def state_shapes(config: Any, tp_size: int = 1) -> tuple[tuple[int, ...], ...]:
-    """Shapes of one rank's `linear_attention` state slot: GDN conv, GDN recurrent[, PLE conv, context].
+def check_vllm_config(vllm_config: VllmConfig) -> None:
+    """What the portable model refuses at startup, each naming the option or field and the fix."""
+    config = vllm_config.model_config.hf_text_config
+    check_config(config)
+    check_tensor_parallel(config, vllm_config.parallel_config.tensor_parallel_size, split_vocabulary=False)
+    rope = config.rope_parameters or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise ConfigError(
+            f"rope_parameters.rope_type: {rope_type!r} is not implemented by the portable Qwen4Exp model (it would "
+            "run with unscaled RoPE); serve a checkpoint with the default RoPE"
+        )
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    if dcp > 1:
+        raise ConfigError(
+            f"--decode-context-parallel-size {dcp}: the portable Qwen4Exp model does not support decode context "
+            "parallelism yet; leave it at 1"
+        )
 
-    The GDN states hold the rank's heads; the PLE states (hyper-connection width) are replicated.
-    """
-    check_tensor_parallel(config, tp_size)
-    k_heads, v_heads = config.linear_num_key_heads // tp_size, config.linear_num_value_heads // tp_size
-    conv_dim = 2 * k_heads * config.linear_key_head_dim + v_heads * config.linear_value_head_dim
-    shapes: tuple[tuple[int, ...], ...] = (
-        (conv_dim, config.linear_conv_kernel_dim - 1),
-        (v_heads, config.linear_key_head_dim, config.linear_value_head_dim),
-    )
-    if config.ple_layer_ids:
+
+class GatedResidual(nn.Module):
+    """A hyper-connection mixer: reads the block input from the streams and, unless it is the
+    final mixer, the injection weights of the block's output (`ops.hyper_connection`)."""
+
+    def __init__(self, config: Any, inject: bool = True) -> None:
+        super().__init__()
         width = config.hc_count * config.hidden_size
-        shapes += ((width, (config.ple_conv_kernel_size - 1) * config.ngram_size), (config.ngram_size - 1,))
-    return shapes
+        self.hc_count, self.eps = config.hc_count, config.rms_norm_eps
+        self.hc_norm = _Weight(width)
+        self.input_mix_weight_down = _Weight(config.hc_lowrank, width)
+        self.input_mix_weight_up = _Weight(width, config.hc_lowrank)
+        self.block_inject_weight = _Weight(config.hc_count, width) if inject else None
+
+    def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        inject = self.block_inject_weight.weight if self.block_inject_weight is not None else None
+        return hyper_connection.hc_mix(
+            streams, self.hc_norm.weight, self.input_mix_weight_down.weight, self.input_mix_weight_up.weight, inject,
+            hc_count=self.hc_count, eps=self.eps,
+        )  # fmt: skip
 
 
-def state_dtypes(config: Any, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    # The recurrent state stays fp32 whatever the model dtype, as in the reference.
-    dtypes: tuple[torch.dtype, ...] = (dtype, torch.float32)
-    if config.ple_layer_ids:
-        dtypes += (dtype, torch.int64)
-    return dtypes
+class _Weight(nn.Module):
+    """A module holding one tensor named ``weight`` (a checkpoint name level)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(*shape))
 
 
-def state_copy_funcs(
-    vllm_config: VllmConfig, mamba_types: set[MambaAttentionBackendEnum]
-) -> dict[MambaAttentionBackendEnum, tuple[Any, ...]]:
-    """vLLM's state copy functions for a prefix-cache hit, one per state of a slot (2 for GDN,
-    4 with PLE): every state is copied whole when a request resumes from a cached block."""
-    shapes = state_shapes(vllm_config.model_config.hf_text_config, vllm_config.parallel_config.tensor_parallel_size)
-    return dict.fromkeys(mamba_types, (get_temporal_copy_spec,) * len(shapes))
-
-
-def model_dtype(vllm_config: VllmConfig) -> torch.dtype:
-    dtype = vllm_config.model_config.dtype
-    assert isinstance(dtype, torch.dtype), f"unresolved model dtype {dtype!r}"
-    return dtype
-
-
-class LinearStateSlot(nn.Module, MambaBase):
-    """The vLLM-managed state slot of one `linear_attention` layer (no weights)."""
-
-    def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
+class PortableDecoderLayer(nn.Module):
+    def __init__(self, vllm_config: VllmConfig, index: int, rotary: RotaryTable, prefix: str) -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
-        self.prefix = prefix
-        self._shapes = state_shapes(config, vllm_config.parallel_config.tensor_parallel_size)
-        self._dtypes = state_dtypes(config, model_dtype(vllm_config))
-        context = vllm_config.compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        context[prefix] = self
-
-    @property
-    def mamba_type(self) -> MambaAttentionBackendEnum:
-        # vLLM's GDN metadata (state index per request, initial-state flags, decode/prefill
-        # split) is exactly what these states need; its kernels are not used.
-        return MambaAttentionBackendEnum.GDN_ATTN
-
-    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
-        return self._shapes
-
-    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
-        return self._dtypes
-
-
-# ---------------------------------------------------------------------------------------------
-# The StateStore over vLLM's caches for one step
-# ---------------------------------------------------------------------------------------------
-
-
-class VllmStateStore:
-    """Per-layer views of vLLM's caches for one step.
-
-    Layers may sit in different KV-cache groups, each with its own block table, so every
-    layer reads its own metadata (state slot per request, block table) by its layer name.
-    """
-
-    def __init__(
-        self,
-        core: Qwen4ExpCore,
-        slots: dict[int, LinearStateSlot],
-        kv_layers: dict[int, QSAKVCache],
-        metadata: dict[str, Any],
-        first_gdn_meta: Any,
-    ) -> None:
-        self.core, self.slots, self.kv_layers, self.metadata = core, slots, kv_layers, metadata
-        fresh = torch.zeros(0, dtype=torch.bool)
-        if first_gdn_meta is not None and first_gdn_meta.has_initial_state is not None:
-            # decodes (first) always continue; prefills continue iff they have computed tokens
-            fresh = torch.cat([
-                torch.zeros(first_gdn_meta.num_decodes, dtype=torch.bool),
-                ~first_gdn_meta.has_initial_state[first_gdn_meta.num_decodes :].cpu(),
-            ])  # fmt: skip
-        self.fresh = fresh
-
-    def _indices(self, layer: int, seqs: Sequence[int]) -> torch.Tensor:
-        meta = self.metadata[self.slots[layer].prefix]
-        return meta.non_spec_state_indices_tensor[list(seqs)].long()
-
-    def _is_fresh(self, seq: int) -> bool:
-        return bool(seq < self.fresh.shape[0] and self.fresh[seq])
-
-    def recurrent(self, layer: int, kind: str, seqs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        states = self.slots[layer].kv_cache
-        idx = self._indices(layer, seqs)
-        # Indexing with a tensor gathers copies: the ops may update them in place.
-        a, b = (states[0][idx], states[1][idx]) if kind == "gdn" else (states[3][idx], states[2][idx])
-        for i, s in enumerate(seqs):
-            if self._is_fresh(s):
-                fresh_a, fresh_b = self.core.fresh_state(layer, kind)
-                a[i], b[i] = fresh_a, fresh_b
-        return a, b
-
-    def set_recurrent(self, layer: int, kind: str, seqs: Sequence[int], a: torch.Tensor, b: torch.Tensor) -> None:
-        states = self.slots[layer].kv_cache
-        idx = self._indices(layer, seqs)
-        if kind == "gdn":
-            states[0][idx], states[1][idx] = a.to(states[0].dtype), b.to(states[1].dtype)
+        self.layer_type = config.layer_types[index]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = PortableGatedDeltaNet(config, vllm_config, prefix=f"{prefix}.linear_attn")
         else:
-            states[3][idx], states[2][idx] = a.to(states[3].dtype), b.to(states[2].dtype)
+            self.self_attn = PortableQSAAttention(vllm_config, config, rotary, prefix=f"{prefix}.self_attn")
+        self.mlp = Qwen3NextSparseMoeBlock(vllm_config, prefix=f"{prefix}.mlp")
+        ple_ids = list(config.ple_layer_ids or [])
+        self.ple = (
+            PortablePLE(vllm_config, config, ple_ids.index(index + 1), self.linear_attn, prefix=f"{prefix}.ple")
+            if index + 1 in ple_ids
+            else None
+        )
+        self.attn_hyper_connection = GatedResidual(config)
+        self.mlp_hyper_connection = GatedResidual(config)
 
-    def kv(self, layer: int, seq: int) -> QSAPast:
-        return self.kv_layers[layer].past(self.metadata, seq)
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ple is not None:
+            streams = self.ple(streams, input_ids)
+        x, inject = self.attn_hyper_connection.mix(streams)
+        assert inject is not None
+        attn = self.linear_attn(x) if self.layer_type == "linear_attention" else self.self_attn(positions, x)
+        streams = hyper_connection.hc_inject(streams, attn, inject)
+        x, inject = self.mlp_hyper_connection.mix(streams)
+        assert inject is not None
+        return hyper_connection.hc_inject(streams, self.mlp(x), inject)
 
-    def append_kv(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, indexer: IndexerStep | None) -> None:
-        self.kv_layers[layer].append(self.metadata, seq, k, v, indexer)
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})
+class PortableQwen4ExpModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
+        rotary = RotaryTable.from_config(config, vllm_config.model_config.max_model_len, model_dtype(vllm_config))
+        self.layers = nn.ModuleList(
+            PortableDecoderLayer(vllm_config, i, rotary, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.hyper_connection_mixer = GatedResidual(config, inject=False)
+
+    def decoder_layers(self) -> list[PortableDecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PortableDecoderLayer)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        streams = hyper_connection.hc_expand(self.embed_tokens(input_ids), self.config.hc_count)
+        for layer in self.layers:
+            streams = layer(streams, positions, input_ids)
+        hidden, _ = self.hyper_connection_mixer.mix(streams)
+        return hidden
 
 
-# ---------------------------------------------------------------------------------------------
-# The model class vLLM instantiates
-# ---------------------------------------------------------------------------------------------
-
-
-class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, SupportsMambaPrefixCaching):
-    """`Qwen4ExpForCausalLM` for vLLM on CPU, CUDA < 8.0 and fp16, built on the plain-torch ops."""
+class PortableQwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefixCaching):
+    """`Qwen4ExpForCausalLM` for vLLM on CPU, CUDA < 8.0 and fp16 / fp32 (see the module docstring)."""
 
     is_portable_qwen4exp: ClassVar[bool] = True
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
+        "in_proj_ba": ["in_proj_b", "in_proj_a"],
+    }
+    hf_to_vllm_mapper = _WEIGHTS_MAPPER
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        check_vllm_config(vllm_config)
         config = vllm_config.model_config.hf_text_config
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        check_config(config)
-        check_tensor_parallel(config, tp)
-        if tp > 1:
-            # Each rank holds its slices; vLLM's tensor-parallel collectives sum block outputs and
-            # gather the vocabulary-split logits.
-            rank = get_tensor_model_parallel_rank()
-            super().__init__(
-                config, TensorParallel(rank, tp, tensor_model_parallel_all_reduce, tensor_model_parallel_all_gather)
-            )
-        else:
-            super().__init__(config)
-        self.eos = eos_id(config)
-        self._vllm_config = vllm_config
-        self._slots: dict[int, LinearStateSlot] = {}
-        self._kv: dict[int, QSAKVCache] = {}
-        # Not submodules: they carry no weights; vLLM finds them through the forward context.
-        for i, kind in enumerate(config.layer_types):
-            if kind == "linear_attention":
-                self._slots[i] = LinearStateSlot(vllm_config, f"{prefix}model.layers.{i}.linear_attn.state")
-            else:
-                # this rank's KV heads
-                self._kv[i] = QSAKVCache(vllm_config, f"{prefix}model.layers.{i}.self_attn.kv",
-                                         self.model.layer(i).self_attn.num_kv_heads)  # fmt: skip
+        if config.output_gate_type is None:
+            # transformers gates the GDN output with hidden_act when the field is unset;
+            # vLLM's GDN layer reads the field.
+            config.output_gate_type = config.hidden_act
+        prefer_triton_prefill(vllm_config)
+        self.config = config
+        self.vllm_config = vllm_config
+        self.model = PortableQwen4ExpModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
+            prefix=maybe_prefix(prefix, "lm_head"),
+        )  # fmt: skip
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.tp_size = get_tensor_model_parallel_world_size()
 
     # -- vLLM's hybrid-model interface ----------------------------------------------------------
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> Any:
-        return state_shapes(vllm_config.model_config.hf_text_config, vllm_config.parallel_config.tensor_parallel_size)
+        return slot_state_shapes(vllm_config)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
-        return state_dtypes(vllm_config.model_config.hf_text_config, model_dtype(vllm_config))
+        return slot_state_dtypes(vllm_config)
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple[Any, ...]:
-        # The interface has no config here; vLLM asks get_mamba_state_copy_funcs (below), which
-        # knows how many states a slot holds.
-        return (get_temporal_copy_spec,) * 4
+        from vllm.config import get_current_vllm_config
+
+        return slot_state_copy_funcs(get_current_vllm_config())
 
     @classmethod
     def get_mamba_state_copy_funcs_from_config(
         cls, vllm_config: VllmConfig, mamba_types: set[MambaAttentionBackendEnum]
     ) -> dict[MambaAttentionBackendEnum, tuple[Any, ...]]:
-        """What the instance method gives, from a config (the dispatcher asks it on the class)."""
-        return state_copy_funcs(vllm_config, mamba_types)
+        """One copy function per state of a slot, for the types vLLM asks about (the dispatcher
+        asks the class with a config)."""
+        return dict.fromkeys(mamba_types, slot_state_copy_funcs(vllm_config))
 
     def get_mamba_state_copy_funcs(  # type: ignore[override]
         self, mamba_types: set[MambaAttentionBackendEnum]
     ) -> dict[MambaAttentionBackendEnum, tuple[Any, ...]]:
-        # vLLM 0.32 asks the built model (it pairs the functions with a slot's states).
-        return state_copy_funcs(self._vllm_config, mamba_types)
+        return self.get_mamba_state_copy_funcs_from_config(self.vllm_config, mamba_types)
 
     # -- forward --------------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids)
+        return self.model.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -260,40 +250,59 @@ class PortableQwen4ExpForCausalLM(Qwen4ExpCore, HasInnerState, IsHybrid, Support
         inputs_embeds: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        if inputs_embeds is not None:
+        if input_ids is None:
             raise NotImplementedError("the portable Qwen4Exp model needs token ids (PLE hashes them)")
-        hidden = self.model.embed_tokens.weight.new_zeros(input_ids.shape[0], self.config.hidden_size)
-        metadata: Any = get_forward_context().attn_metadata
-        if not metadata:  # profiling / warm-up run: no requests, no states
-            return hidden
-        assert isinstance(metadata, dict)
-        gdn_meta: Any = metadata.get(self._slots[min(self._slots)].prefix) if self._slots else None
-        qsa_meta: Any = metadata.get(self._kv[min(self._kv)].prefix) if self._kv else None
-        if qsa_meta is not None:
-            query_start_loc = qsa_meta.query_start_loc
-            num_tokens = qsa_meta.num_actual_tokens
-        else:
-            assert gdn_meta is not None
-            query_start_loc = gdn_meta.non_spec_query_start_loc.cpu().tolist()
-            num_tokens = gdn_meta.num_actual_tokens
-        query_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
-        query_lens = [n for n in query_lens if n > 0]
-        num_tokens = sum(query_lens)
-        store = VllmStateStore(self, self._slots, self._kv, metadata, gdn_meta)
-        hidden[:num_tokens] = self.forward_step(input_ids[:num_tokens], positions[:num_tokens], query_lens, store)
-        return hidden
+        return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.logits(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
 
+    # -- weights --------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = self.load_checkpoint_tensors(weights)
-        if current_platform.is_cpu():
-            from qwen38_plugin import vllm_cpu_kernels
+        tables: dict[str, NGramTable] = {
+            f"model.layers.{i}.ple.ple_embedding": layer.ple.ple_embedding
+            for i, layer in enumerate(self.model.decoder_layers())
+            if layer.ple is not None
+        }
+        loaded_tables: set[str] = set()
 
-            if vllm_cpu_kernels.enabled():
-                used = vllm_cpu_kernels.install(self)
-                logger.info("portable Qwen4Exp on CPU uses vLLM's CPU kernels: %s", used)
-            else:
-                logger.info("portable Qwen4Exp on CPU: %s=0, reference ops only", vllm_cpu_kernels.SWITCH_ENV)
+        def checkpoint_tensors() -> Iterable[tuple[str, torch.Tensor]]:
+            # The PLE tables may live in host memory, outside the module's parameters: their
+            # shards are copied in here, every other tensor goes through vLLM's loader.
+            for name, tensor in weights:
+                mapped = _WEIGHTS_MAPPER.map_name(name) if _PLE_SHARD in name else None
+                if mapped is not None:
+                    owner, _, rest = mapped.partition(".ngram_embedding.shard_")
+                    if owner in tables:
+                        tables[owner].load_shard(int(rest.split(".")[0]), tensor)
+                        loaded_tables.add(owner)
+                        continue
+                yield name, tensor
+
+        loader = AutoWeightsLoader(self)
+        loaded = loader.load_weights(checkpoint_tensors(), mapper=_WEIGHTS_MAPPER)
+        host_bytes = 0
+        for owner, table in tables.items():
+            if owner not in loaded_tables:
+                raise ValueError(f"Qwen4Exp checkpoint has no shards of the PLE table {owner}.ngram_embedding")
+            host_bytes += table.finish_loading()
+            if table.placement == "device":
+                loaded.add(f"{owner}.weight")
+            # Derived from the config when the checkpoint leaves them out (transformers rebuilds them).
+            loaded |= {f"{owner}.ngram_heads_vocab_sizes", f"{owner}.ngram_heads_offsets"}
+        _log_memory(self, host_bytes)
         return loaded
+
+
+def _log_memory(model: nn.Module, ple_host_bytes: int) -> None:
+    """One startup line: the weights' bytes per device, and the PLE tables' in host memory."""
+    per_device: dict[str, int] = {}
+    for param in model.parameters():
+        per_device[param.device.type] = per_device.get(param.device.type, 0) + param.numel() * param.element_size()
+    where = ", ".join(f"{size / 2**20:.1f} MiB on {device}" for device, size in sorted(per_device.items()))
+    logger.info(
+        "portable Qwen4Exp weights: %s; PLE tables: %.1f MiB in host memory (one copy for this node's "
+        "tensor-parallel ranks)",
+        where,
+        ple_host_bytes / 2**20,
+    )

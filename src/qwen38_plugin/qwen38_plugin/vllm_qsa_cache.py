@@ -32,6 +32,7 @@ This module imports vLLM; it is loaded only when vLLM builds the model.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from dataclasses import dataclass
@@ -41,10 +42,15 @@ import torch
 from torch import nn
 from vllm.config import CacheConfig, VllmConfig
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
 from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 
-from qwen38_plugin.ops import qsa
+from qwen38_plugin.ops import ple_varlen, qsa, qsa_paged
 
 # A child of the "vllm" logger, so vLLM's own logging configuration prints it.
 logger = logging.getLogger("vllm.plugins.qwen38_plugin")
@@ -104,41 +110,97 @@ def resolve_ring_capacity(vllm_config: VllmConfig, ratio: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# A minimal attention backend that only prepares metadata
+# The attention backend: per-step metadata, built once per step on the device
 # ---------------------------------------------------------------------------------------------
+
+
+class CacheKind(enum.Enum):
+    """Which of a QSA layer's three caches a KV-cache group holds (each has its own block table)."""
+
+    KV = "kv"
+    BLOCK_KEYS = "block_keys"
+    KEY_RING = "key_ring"
 
 
 @dataclass
 class QSAMetadata:
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    block_table: torch.Tensor  # [num_reqs, max_blocks]
-    slot_mapping: torch.Tensor | None  # [num_actual_tokens]; None for the ring (it has none)
-    num_actual_tokens: int
+    """One QSA cache group's view of a step. Device tensors in persistent buffers (the same
+    addresses every step, so a captured CUDA graph replays with the step's values).
 
-    def past_len(self, seq: int) -> int:
-        return self.seq_lens[seq] - (self.query_start_loc[seq + 1] - self.query_start_loc[seq])
+    Rows ``T`` are the step's tokens, CUDA-graph padding included; rows ``R`` its requests
+    (padding requests have no tokens).
+    """
+
+    num_tokens: int
+    token_req: torch.Tensor  # [T] int32: request row of each token, -1 for padding tokens
+    step_start: torch.Tensor  # [R] int32: position of each request's first token of the step
+    block_table: torch.Tensor  # [R, max_blocks] int32: this cache's blocks
+    slots: torch.Tensor  # [T] int64: where each token writes in this cache, -1 = no write
 
 
 class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
+    """Turns vLLM's common metadata into `QSAMetadata` for one of the three QSA caches.
+
+    Everything is computed with device ops from vLLM's device tensors (no host reads of
+    per-request values), written into buffers allocated once, so decode steps can be captured
+    in CUDA graphs (`AttentionCGSupport.UNIFORM_BATCH`, as vLLM's GDN builder: the GDN layers
+    of the same model set that bound anyway).
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    reorder_batch_threshold: int | None = 1  # decodes first, as vLLM's GDN builder orders them
+
     def __init__(
         self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.kind = cache_kind(kv_cache_spec)
+        config = vllm_config.model_config.hf_text_config
+        self.ratio = int(config.indexer_compress_ratio or 1)
+        scheduler = vllm_config.scheduler_config
+        spec_tokens = vllm_config.num_speculative_tokens
+        max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs * (1 + spec_tokens))
+        max_reqs = scheduler.max_num_seqs
+        self._arange = torch.arange(max_tokens, device=device)
+        self._token_req = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self._step_start = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        self._slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> QSAMetadata:
         m = common_attn_metadata
-        num_reqs = m.num_reqs
-        slot_mapping = m.slot_mapping[: m.num_actual_tokens] if self.kv_cache_spec.uses_slot_mapping else None
-        return QSAMetadata(
-            query_start_loc=m.query_start_loc_cpu[: num_reqs + 1].tolist(),
-            seq_lens=m.seq_lens[:num_reqs].cpu().tolist(),
-            block_table=m.block_table_tensor[:num_reqs],
-            slot_mapping=slot_mapping,
-            num_actual_tokens=m.num_actual_tokens,
-        )
+        num_tokens, num_reqs = m.num_actual_tokens, m.num_reqs
+        qsl = m.query_start_loc[: num_reqs + 1]
+        token_req = self._token_req[:num_tokens]
+        token_req.copy_(ple_varlen.token_requests(qsl, num_tokens))
+        step_start = self._step_start[:num_reqs]
+        step_start.copy_(m.seq_lens[:num_reqs] - (qsl[1:] - qsl[:-1]))
+        # Positions from the metadata (padding rows read request 0's and are masked by token_req).
+        req = token_req.clamp(min=0).long()
+        positions = step_start.long()[req] + (self._arange[:num_tokens] - qsl.long()[req])
+        block_table = m.block_table_tensor[:num_reqs]
+        slots = self._slots[:num_tokens]
+        block_size = self.kv_cache_spec.block_size
+        if self.kind is CacheKind.KV:
+            slots.copy_(m.slot_mapping[:num_tokens])
+        elif self.kind is CacheKind.BLOCK_KEYS:
+            slots.copy_(qsa_paged.key_slots(token_req, positions, block_table, block_size=block_size, ratio=self.ratio))
+        else:
+            ring = qsa_paged.ring_slots(
+                token_req, positions, m.seq_lens[:num_reqs], block_table[:, 0], ring_capacity=block_size,
+                ratio=self.ratio,
+            )  # fmt: skip
+            slots.copy_(ring)
+        return QSAMetadata(num_tokens, token_req, step_start, block_table, slots)
+
+
+def cache_kind(spec: KVCacheSpec) -> CacheKind:
+    if isinstance(spec, CircularBufferSpec):
+        return CacheKind.KEY_RING
+    if isinstance(spec, MLAAttentionSpec):
+        return CacheKind.BLOCK_KEYS
+    return CacheKind.KV
 
 
 class QSANoImpl:
@@ -183,7 +245,8 @@ class QSABackend(AttentionBackend):
 class _CacheLayer(nn.Module, AttentionLayerBase):
     """A weightless layer vLLM allocates a cache for; found through the forward context.
 
-    vLLM binds a ``[blocks, heads, rows, features]`` view in the spec's dtype.
+    vLLM binds a ``[blocks, heads, rows, features]`` view in the spec's dtype (dim 0 may be
+    strided: other layers' pages can sit between two blocks).
     """
 
     def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
@@ -202,12 +265,9 @@ class _CacheLayer(nn.Module, AttentionLayerBase):
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache.view(self.dtype)
 
-    def rows_per_block(self) -> int:
-        return int(self.kv_cache.shape[2])
-
 
 class QSAKeyRing(_CacheLayer):
-    """The raw indexer keys of each request's open group: row ``p % capacity`` of its one block."""
+    """The raw indexer keys of each request's most recent positions: row ``p % capacity`` of its one block."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str, index_dim: int, capacity: int) -> None:
         super().__init__(vllm_config, prefix)
@@ -224,19 +284,6 @@ class QSAKeyRing(_CacheLayer):
             block_size=self.capacity, num_kv_heads=1, head_size=self.index_dim, head_size_v=0, dtype=self.dtype,
             dcp_sharded=False, max_tp_shards=1,  # every tensor-parallel rank holds the same ring
         )  # fmt: skip
-
-    def read(self, meta: QSAMetadata, seq: int, start: int, end: int) -> torch.Tensor:
-        """Raw keys ``[end - start, Di]`` of positions start..end-1 (at most one ring apart)."""
-        positions = torch.arange(start, end)
-        return self.kv_cache[meta.block_table[seq, 0].long(), 0, positions % self.rows_per_block()]
-
-    def write(self, meta: QSAMetadata, seq: int, start: int, keys: torch.Tensor) -> None:
-        """Store the raw keys ``[T, Di]`` of positions start..start+T-1; only the last ring's worth
-        can be kept (and is all a later step reads)."""
-        capacity = self.rows_per_block()
-        keep = min(keys.shape[0], capacity)
-        positions = torch.arange(start + keys.shape[0] - keep, start + keys.shape[0])
-        self.kv_cache[meta.block_table[seq, 0].long(), 0, positions % capacity] = keys[keys.shape[0] - keep :]
 
 
 class QSABlockKeyCache(_CacheLayer):
@@ -257,19 +304,6 @@ class QSABlockKeyCache(_CacheLayer):
             block_size=block_size, num_kv_heads=1, head_size=self.index_dim, dtype=self.dtype,
             tokens_per_state=self.ratio, dcp_sharded=False, max_tp_shards=1,  # replicated over TP ranks
         )  # fmt: skip
-
-    def _rows(self, meta: QSAMetadata, seq: int, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        per_block = self.rows_per_block()
-        return meta.block_table[seq, groups // per_block].long(), groups % per_block
-
-    def read(self, meta: QSAMetadata, seq: int, num_groups: int) -> torch.Tensor:
-        """Keys ``[num_groups, Di]`` of groups 0..num_groups-1."""
-        blocks, rows = self._rows(meta, seq, torch.arange(num_groups))
-        return self.kv_cache[blocks, 0, rows]
-
-    def write(self, meta: QSAMetadata, seq: int, first_group: int, keys: torch.Tensor) -> None:
-        blocks, rows = self._rows(meta, seq, torch.arange(first_group, first_group + keys.shape[0]))
-        self.kv_cache[blocks, 0, rows] = keys
 
 
 class QSAKVCache(_CacheLayer):
@@ -302,46 +336,3 @@ class QSAKVCache(_CacheLayer):
             head_size=self.head_dim,
             dtype=self.dtype,
         )
-
-    def _slots(self, meta: QSAMetadata, seq: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(end)
-        size = self.rows_per_block()
-        return meta.block_table[seq, positions // size].long(), positions % size
-
-    def past(
-        self, metadata: dict[str, Any], seq: int
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, qsa.IndexerPast | None]:
-        """What the caches hold of sequence ``seq`` before this step (see `StateStore.kv`)."""
-        meta = metadata[self.prefix]
-        past = meta.past_len(seq)
-        if past == 0:
-            return None, None, None
-        blocks, rows = self._slots(meta, seq, past)
-        kv = self.kv_cache[blocks, :, rows]  # [P, Hkv, 2D]
-        d = self.head_dim
-        indexer = None
-        if self.ring is not None and self.block_keys is not None:
-            complete = past // self.ratio
-            indexer = qsa.IndexerPast(
-                self.block_keys.read(metadata[self.block_keys.prefix], seq, complete),
-                self.ring.read(metadata[self.ring.prefix], seq, complete * self.ratio, past),
-            )
-        return kv[..., :d], kv[..., d:], indexer
-
-    def append(
-        self, metadata: dict[str, Any], seq: int, k: torch.Tensor, v: torch.Tensor, indexer: qsa.IndexerStep | None
-    ) -> None:
-        """Store one step of sequence ``seq``: k, v ``[T, Hkv, D]`` and the indexer keys it adds."""
-        meta = metadata[self.prefix]
-        assert meta.slot_mapping is not None
-        slots = meta.slot_mapping[meta.query_start_loc[seq] : meta.query_start_loc[seq + 1]].long()
-        size = self.rows_per_block()
-        # Index the cache itself: a reshaped copy of the strided view would silently drop the write.
-        self.kv_cache[slots // size, :, slots % size] = torch.cat([k, v], dim=-1).to(self.dtype)
-        if indexer is None or self.ring is None or self.block_keys is None:
-            return
-        start = meta.past_len(seq)
-        ring_meta, keys_meta = metadata[self.ring.prefix], metadata[self.block_keys.prefix]
-        self.ring.write(ring_meta, seq, start, indexer.raw_keys.to(self.dtype))
-        if indexer.block_keys.shape[0]:
-            self.block_keys.write(keys_meta, seq, start // self.ratio, indexer.block_keys.to(self.dtype))

@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
-
-ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(x [N, H], weights [N, k], expert ids [N, k], shared scale [N, 1]) -> [N, H]``: the sum over k
-of weight * routed expert(x), plus shared scale * shared expert(x); it holds the weights itself."""
 
 
 def route(
@@ -56,7 +50,6 @@ def moe(
     *,
     top_k: int,
     normalize: bool,
-    experts: ExpertsKernel | None = None,
 ) -> torch.Tensor:
     """The MoE block for tokens x ``[N, H]``.
 
@@ -64,12 +57,8 @@ def moe(
     shared_down: ``[H, Is]``; shared_expert_gate: ``[1, H]``. With tensor parallelism each rank
     holds a slice of every expert's intermediate dimension and the outputs are summed across ranks;
     the router and the shared-expert gate are replicated. Returns ``[N, H]`` in x.dtype.
-    ``experts`` replaces the routed and the shared experts' MLPs (a fused kernel holding their
-    weights in its own layout; the four expert weight arguments are then not read).
     """
     weights, ids = route(x, router_weight, top_k, normalize)
     shared_scale = torch.sigmoid(F.linear(x, shared_expert_gate))
-    if experts is not None:
-        return experts(x, weights, ids, shared_scale)
     out = routed_experts(x, weights, ids, experts_gate_up, experts_down)
     return out + shared_scale * swiglu_mlp(x, shared_gate_up, shared_down)

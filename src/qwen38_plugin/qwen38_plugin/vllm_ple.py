@@ -1,0 +1,300 @@
+"""Qwen4Exp's PLE (per-layer n-gram embeddings) inside vLLM, with the table in host memory.
+
+The n-gram tables are the largest tensors of Qwen3.8 Flash-Next (about 87 GiB); stock vLLM keeps
+them in pinned host memory and gathers each step's rows to the GPU (rows K01 / R32 of the stock
+matrix). So does this layer by default (``QWEN38_PLE_TABLE=host``):
+
+- the table lives in one shared-memory segment per table that every tensor-parallel rank of the
+  node maps (one copy per node, not one per rank); it is pinned for the GPU;
+- on CUDA the rows are gathered by an ordinary embedding lookup on a CUDA view of that pinned
+  memory (unified virtual addressing: the GPU reads host memory directly, no host sync, so the
+  lookup can sit inside a CUDA graph), on CPU by a lookup in the mapped memory itself;
+- ``QWEN38_PLE_TABLE=device`` keeps the table in device memory instead (small models, where the
+  PCIe read per step is the larger cost).
+
+The per-step work (n-gram hashing with the EOS rule, the key/query gate and the dilated causal
+convolution continuing from each request's state) is `ops.ple_varlen`, batched over the step's
+requests; the projections are vLLM linear layers. The states live in the state slot of the same
+layer's GDN (`vllm_gdn.ple_state_shapes`).
+
+This module imports vLLM; it is loaded only when vLLM builds the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import mmap
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.platforms import current_platform
+
+from qwen38_plugin import vllm_ops
+from qwen38_plugin.ops import ple_varlen
+from qwen38_plugin.vllm_qsa_cache import model_dtype
+
+logger = logging.getLogger("vllm.plugins.qwen38_plugin")
+
+PLACEMENT_ENV = "QWEN38_PLE_TABLE"
+PLACEMENTS = ("host", "device")
+
+
+class PLEConfigError(ValueError):
+    """A PLE setting that cannot be honoured; the message names the setting and the fix."""
+
+
+def table_placement(environ: dict[str, str] | None = None) -> str:
+    value = (environ if environ is not None else os.environ).get(PLACEMENT_ENV, "host").strip() or "host"
+    if value not in PLACEMENTS:
+        raise PLEConfigError(f"{PLACEMENT_ENV}={value!r}: use host (default: pinned host memory) or device")
+    return value
+
+
+def _nth_prime_after(start: int, count: int) -> int:
+    value = start
+    for _ in range(count):
+        value += 1
+        while value < 2 or any(value % d == 0 for d in range(2, math.isqrt(value) + 1)):
+            value += 1
+    return value
+
+
+def ngram_head_sizes(config: Any, ple_layer_index: int) -> list[int]:
+    """Table rows of each n-gram head of one PLE layer (primes after the base), as transformers builds them."""
+    heads = (config.ngram_size - 1) * config.heads_per_ngram
+    return [_nth_prime_after(config.ngram_vocab_size_base - 1, ple_layer_index * heads + h + 1) for h in range(heads)]
+
+
+def table_rows(config: Any, ple_layer_index: int) -> int:
+    total = sum(ngram_head_sizes(config, ple_layer_index))
+    divisor = config.make_ngram_vocab_size_divisible_by
+    return math.ceil(total / divisor) * divisor
+
+
+class SharedHostTable:
+    """A table in a shared-memory segment that every rank of the node maps.
+
+    Each rank opens (or creates) the segment under a name derived from the engine instance and
+    the layer, so the ranks of one engine share it and nothing else does; after every rank has
+    mapped it, the name is removed, so the memory goes away with the last process that maps it,
+    also after a crash. Every rank writes the rows it loads (all of them: they are identical,
+    so concurrent writes store the same bytes).
+    """
+
+    def __init__(self, name: str, rows: int, dim: int, dtype: torch.dtype) -> None:
+        self.path = f"/dev/shm/qwen38-ple-{name}"
+        nbytes = rows * dim * torch.empty(0, dtype=dtype).element_size()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != nbytes:
+                os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self._map, dtype=dtype).view(rows, dim)
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):  # another rank removed the name first
+            os.unlink(self.path)
+
+
+class NGramTable(nn.Module):
+    """One PLE layer's n-gram embedding table ``[rows, E / heads]`` and its lookup.
+
+    The checkpoint stores it in ``split_ngram_parts`` shards (``ngram_embedding.shard_{i}.weight``),
+    loaded in order into consecutive rows.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, config: Any, ple_layer_index: int, prefix: str) -> None:
+        super().__init__()
+        heads = (config.ngram_size - 1) * config.heads_per_ngram
+        self.rows, self.dim = table_rows(config, ple_layer_index), config.ple_embed_dim // heads
+        self.dtype = model_dtype(vllm_config)
+        self.placement = table_placement()
+        sizes = ngram_head_sizes(config, ple_layer_index)
+        self.layer_multipliers = nn.Parameter(torch.zeros(config.ngram_size, dtype=torch.long), requires_grad=False)
+        self.ngram_heads_vocab_sizes = nn.Parameter(torch.tensor(sizes, dtype=torch.long), requires_grad=False)
+        self.ngram_heads_offsets = nn.Parameter(
+            torch.tensor([0, *sizes[:-1]], dtype=torch.long).cumsum(0), requires_grad=False
+        )
+        self._shared: SharedHostTable | None = None
+        if self.placement == "device":
+            self.weight = nn.Parameter(torch.empty(self.rows, self.dim, dtype=self.dtype), requires_grad=False)
+            self._host: torch.Tensor | None = None
+        else:
+            key = hashlib.sha256(f"{vllm_config.instance_id}/{prefix}".encode()).hexdigest()[:24]
+            self._shared = SharedHostTable(key, self.rows, self.dim, self.dtype)
+            self._host = self._shared.tensor
+        self._view: torch.Tensor | None = None  # what the lookup reads (set by `finish_loading`)
+
+    def load_shard(self, index: int, shard: torch.Tensor) -> None:
+        """Copy checkpoint shard ``index`` into its rows (shards are equal slices of the table)."""
+        start = index * shard.shape[0]
+        if shard.shape[1] != self.dim or start >= self.rows:
+            raise ValueError(
+                f"PLE table shard {index} has shape {list(shard.shape)}; the config implies {self.rows} rows of "
+                f"{self.dim} (check ple_embed_dim, heads_per_ngram, ngram_size and split_ngram_parts)"
+            )
+        rows = min(shard.shape[0], self.rows - start)
+        target = self.weight.data if self._host is None else self._host
+        target[start : start + rows].copy_(shard[:rows].to(self.dtype))
+
+    def finish_loading(self) -> int:
+        """After the weights are in: make the table readable by the device. Returns host bytes held."""
+        if self._host is None:
+            self._view = self.weight.data
+            return 0
+        assert self._shared is not None
+        from vllm.distributed import get_tp_group
+
+        get_tp_group().barrier()  # every rank of the engine has mapped the segment: drop its name
+        self._shared.unlink()
+        host = self._host
+        if current_platform.is_cuda_alike():
+            from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+
+            cudart = torch.cuda.cudart()
+            status = cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
+            if int(status) != 0:
+                raise RuntimeError(
+                    f"PLE table: pinning {host.numel() * host.element_size() / 2**30:.2f} GiB of host memory failed "
+                    f"(cudaHostRegister error {int(status)}); set {PLACEMENT_ENV}=device to keep the table on the GPU "
+                    "or free host memory"
+                )
+            self._view = get_accelerator_view_from_cpu_tensor(host)
+        else:
+            self._view = host
+        return host.numel() * host.element_size()
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``[..., E / heads]`` (on ``rows.device``) of table rows ``[...]``."""
+        assert self._view is not None, "PLE table read before finish_loading"
+        return nn.functional.embedding(rows, self._view)
+
+
+class GroupedNorm(nn.Module):
+    """Qwen4Exp's RMSNorm over each stream of the hyper-connection width (one weight per feature)."""
+
+    def __init__(self, width: int, group: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+        self.group = group
+
+
+class PortablePLE(nn.Module):
+    """One PLE layer: table, projections, norms and the dilated convolution's weight."""
+
+    def __init__(self, vllm_config: VllmConfig, config: Any, ple_layer_index: int, gdn: nn.Module, prefix: str) -> None:
+        super().__init__()
+        hidden, hc = config.hidden_size, config.hc_count
+        # The GDN layer of the same decoder layer: its state slot holds this layer's states.
+        self._gdn = (gdn,)
+        width = hc * hidden
+        self.hc_count, self.ngram_size, self.eps = hc, config.ngram_size, config.rms_norm_eps
+        self.heads_per_ngram = config.heads_per_ngram
+        eos = config.eos_token_id
+        self.eos = int(eos[0] if isinstance(eos, (list, tuple)) else eos)
+        self.ple_embedding = NGramTable(vllm_config, config, ple_layer_index, f"{prefix}.ple_embedding")
+        quant_config = vllm_config.quant_config
+        self.key_proj = ReplicatedLinear(
+            config.ple_embed_dim, width, bias=False, quant_config=quant_config, prefix=f"{prefix}.key_proj"
+        )
+        self.value_proj = ReplicatedLinear(
+            config.ple_embed_dim, hidden, bias=False, quant_config=quant_config, prefix=f"{prefix}.value_proj"
+        )
+        self.norm_key, self.norm_query, self.norm_conv = (GroupedNorm(width, hidden) for _ in range(3))
+        self.conv1d = _ConvWeight(width, config.ple_conv_kernel_size)
+        vllm_ops.register_ops()
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+        self.op_layer_name = vllm_ops.layer_name(prefix)
+
+    @property
+    def gdn(self) -> Any:
+        return self._gdn[0]
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """streams ``[T, hc * H]`` plus this layer's term."""
+        embedded = streams.new_empty(streams.shape[0], self.key_proj.input_size)
+        torch.ops.vllm.qwen38_ple_embed(input_ids, embedded, self.op_layer_name)
+        key, _ = self.key_proj(embedded)
+        value, _ = self.value_proj(embedded)
+        term = torch.empty_like(streams)
+        torch.ops.vllm.qwen38_ple_mix(streams, key, value, term, self.op_layer_name)
+        return streams + term
+
+    def _step(self) -> PLEStep | None:
+        """This layer's view of the step: its slot's states and vLLM's GDN metadata for them
+        (None in vLLM's profiling run)."""
+        meta = vllm_ops.step_metadata(self.gdn.prefix)
+        if meta is None:
+            return None
+        states = self.gdn.kv_cache
+        return PLEStep(
+            meta.non_spec_query_start_loc, meta.non_spec_state_indices_tensor, meta.has_initial_state,
+            states[2], states[3],
+        )  # fmt: skip
+
+    def embed(self, input_ids: torch.Tensor, embedded: torch.Tensor) -> None:
+        """`vllm_ops.qwen38_ple_embed`: each token's n-gram rows (advancing the n-gram contexts)
+        looked up in the table, into ``embedded [T, E]``."""
+        step = self._step()
+        if step is None:
+            embedded.zero_()
+            return
+        emb = self.ple_embedding
+        rows = ple_varlen.ngram_rows_varlen(
+            input_ids, step.token_req(input_ids.shape[0]), step.query_start, step.context_cache, step.state_indices,
+            step.has_initial_state, emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets,
+            heads_per_ngram=self.heads_per_ngram, eos_token_id=self.eos,
+        )  # fmt: skip
+        embedded.copy_(emb.lookup(rows).flatten(-2))
+
+    def mix(self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: torch.Tensor) -> None:
+        """`vllm_ops.qwen38_ple_mix`: the term added to the streams (advancing the conv states)."""
+        step = self._step()
+        if step is None:
+            term.zero_()
+            return
+        mixed = ple_varlen.ple_mix_varlen(
+            streams, key, value, self.norm_key.weight, self.norm_query.weight, self.norm_conv.weight,
+            self.conv1d.weight.squeeze(1), step.conv_cache, step.token_req(streams.shape[0]), step.query_start,
+            step.state_indices, step.has_initial_state, hc_count=self.hc_count, ngram_size=self.ngram_size,
+            eps=self.eps,
+        )  # fmt: skip
+        term.copy_(mixed)
+
+
+class _ConvWeight(nn.Module):
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel))
+
+
+class PLEStep:
+    """What a PLE layer reads of a step: vLLM's GDN metadata of its slot and the slot's PLE states."""
+
+    def __init__(
+        self,
+        query_start_loc: torch.Tensor,
+        state_indices: torch.Tensor,
+        has_initial_state: torch.Tensor | None,
+        conv_cache: torch.Tensor,
+        context_cache: torch.Tensor,
+    ) -> None:
+        self.query_start_loc, self.query_start = query_start_loc, query_start_loc[:-1]
+        self.state_indices, self.has_initial_state = state_indices, has_initial_state
+        self.conv_cache, self.context_cache = conv_cache, context_cache
+
+    def token_req(self, num_tokens: int) -> torch.Tensor:
+        """The request row of each of the step's (possibly padded) tokens, -1 for padding."""
+        return ple_varlen.token_requests(self.query_start_loc, num_tokens)

@@ -1,0 +1,207 @@
+"""Qwen4Exp's QSA (`indexed_attention`) layer on vLLM's parallel linear layers and paged caches.
+
+The projections are vLLM's (`QKVParallelLinear` for the gated query, key and value,
+`RowParallelLinear` for the output, a `ReplicatedLinear` for the indexer, whose single key head
+every tensor-parallel rank holds whole), so tensor parallelism, weight loading and quantization
+are vLLM's. One step of every request runs as one batch through `ops.qsa_paged`:
+
+1. per token: q/k RMSNorm and partial RoPE, the indexer's queries;
+2. K/V written to the paged cache; each group a token completes gets its compressed key
+   (pooled from this step's raw keys and the key ring) written to the paged block-key cache;
+   the step's raw keys go to the ring;
+3. the indexer scores every request's complete groups and keeps the top ``budget / ratio``;
+4. sparse attention reads only those groups and the open group through the block table.
+
+The per-step metadata (request of each token, slots, block tables) comes from
+`vllm_qsa_cache.QSAMetadataBuilder`, built once per step on the device; nothing here reads a
+tensor back to the host, so decode steps can be captured in CUDA graphs.
+
+This module imports vLLM; it is loaded only when vLLM builds the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+
+from qwen38_plugin import vllm_ops
+from qwen38_plugin.ops import qsa_paged
+from qwen38_plugin.ops.common import apply_partial_rope, rms_norm
+from qwen38_plugin.vllm_qsa_cache import QSAKVCache, QSAMetadata
+
+
+class RotaryTable(nn.Module):
+    """cos / sin of every position up to the model's context, computed once exactly as
+    `ops.common.rotary_cos_sin` computes them per call (fp32, rounded to the model dtype).
+
+    Only the default RoPE: the model refuses any other ``rope_type`` at startup."""
+
+    @classmethod
+    def from_config(cls, config: Any, max_positions: int, dtype: torch.dtype) -> RotaryTable:
+        rope = config.rope_parameters or {}
+        rotary_dim = int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
+        return cls(rotary_dim, rope["rope_theta"], max_positions, dtype)
+
+    def __init__(self, rotary_dim: int, theta: float, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        from qwen38_plugin.ops.common import rotary_cos_sin
+
+        self.rotary_dim = rotary_dim
+        cos, sin = rotary_cos_sin(torch.arange(max_positions), rotary_dim, theta, dtype)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x ``[T, heads, D]`` rotated at ``positions [T]`` (partial RoPE, rotate-half layout)."""
+        return apply_partial_rope(x, self.cos[positions], self.sin[positions])
+
+
+class GemmaNorm(nn.Module):
+    """Qwen4Exp's RMSNorm (``x / rms(x) * (1 + weight)`` in fp32), one weight of ``size``."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class QSAIndexer(nn.Module):
+    """The indexer's projection and norms (replicated over tensor-parallel ranks)."""
+
+    def __init__(self, config: Any, prefix: str) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.indexer_n_heads, config.indexer_head_dim
+        self.index_qk_proj = ReplicatedLinear(
+            config.hidden_size, (self.num_heads + 1) * self.head_dim, bias=False, quant_config=None,
+            prefix=f"{prefix}.index_qk_proj",
+        )  # fmt: skip
+        self.q_layernorm = GemmaNorm(self.head_dim, config.rms_norm_eps)
+        self.k_layernorm = GemmaNorm(self.head_dim, config.rms_norm_eps)
+
+
+class PortableQSAAttention(nn.Module):
+    """One rank's query heads (and the KV heads they read) of a QSA layer."""
+
+    def __init__(self, vllm_config: VllmConfig, config: Any, rotary: RotaryTable, prefix: str) -> None:
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        self.config = config
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)
+        self.scale = self.head_dim**-0.5
+        quant_config = vllm_config.quant_config
+        # The gate doubles each query head (D query then D gate features), so the gated query
+        # is 2 * heads "heads" of D: vLLM splits them over ranks without separating a pair.
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, 2 * config.num_attention_heads, config.num_key_value_heads,
+            bias=False, quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+        )  # fmt: skip
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=False, quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )  # fmt: skip
+        self.q_norm = GemmaNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaNorm(self.head_dim, config.rms_norm_eps)
+        self.indexer = QSAIndexer(config, f"{prefix}.indexer") if config.indexer_budget is not None else None
+        self.ratio = int(config.indexer_compress_ratio or 1)
+        self.topk = int(config.indexer_budget // self.ratio) if config.indexer_budget is not None else 0
+        self.max_groups = max(1, vllm_config.model_config.max_model_len // self.ratio)
+        # One table for every QSA layer of the model (it spans the whole context).
+        self.rotary = rotary
+        self.index_rotary_dim = rotary.rotary_dim
+        # Not a submodule: it carries no weights; vLLM binds its caches through the forward context.
+        self._cache = (QSAKVCache(vllm_config, f"{prefix}.kv", self.num_kv_heads),)
+        # The custom op finds this layer (and through it the caches) by name.
+        vllm_ops.register_ops()
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+        self.op_layer_name = vllm_ops.layer_name(prefix)
+
+    @property
+    def cache(self) -> QSAKVCache:
+        return self._cache[0]
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        d = self.head_dim
+        qkv, _ = self.qkv_proj(hidden_states)
+        q_gate, k, v = qkv.split([2 * self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * d)).split(d, dim=-1)
+        q = self.rotary.rotate(self.q_norm(q), positions)
+        k = self.rotary.rotate(self.k_norm(k.unflatten(-1, (self.num_kv_heads, d))), positions)
+        v = v.unflatten(-1, (self.num_kv_heads, d))
+        index_q: torch.Tensor | None = None
+        raw_keys: torch.Tensor | None = None
+        if self.indexer is not None:
+            index_q, raw_keys = self._index_queries_and_keys(hidden_states, positions)
+        out = q.new_empty(hidden_states.shape[0], self.num_heads * d)
+        torch.ops.vllm.qwen38_qsa_attention(
+            q, gate.flatten(1), k, v, index_q, raw_keys, positions, out, self.op_layer_name
+        )
+        return self.o_proj(out)[0]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        gate: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index_q: torch.Tensor | None,
+        raw_keys: torch.Tensor | None,
+        positions: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """The stateful part of a step (`vllm_ops.qwen38_qsa_attention`): writes ``out [T, Hq * D]``."""
+        cache = self.cache
+        meta: QSAMetadata | None = vllm_ops.step_metadata(cache.prefix)
+        if meta is None:  # vLLM's profiling run: no requests, no caches
+            out.zero_()
+            return
+        qsa_paged.write_kv(cache.kv_cache, meta.slots, k, v)
+        selected = None
+        if self.indexer is not None:
+            assert cache.block_keys is not None and cache.ring is not None
+            assert index_q is not None and raw_keys is not None
+            keys_meta: QSAMetadata = vllm_ops.step_metadata(cache.block_keys.prefix)
+            ring_meta: QSAMetadata = vllm_ops.step_metadata(cache.ring.prefix)
+            # The groups this step completes: pooled from this step's raw keys and the ring
+            # (read before this step's raw keys overwrite it).
+            group_keys = qsa_paged.group_keys(
+                raw_keys, cache.ring.kv_cache, ring_meta.block_table[:, 0], meta.token_req, positions,
+                meta.step_start, ratio=self.ratio, k_norm_weight=self.indexer.k_layernorm.weight,
+                eps=self.config.rms_norm_eps, rope_theta=self.config.rope_parameters["rope_theta"],
+                rotary_dim=self.index_rotary_dim,
+            )  # fmt: skip
+            qsa_paged.write_rows(cache.block_keys.kv_cache, keys_meta.slots, group_keys)
+            qsa_paged.write_rows(cache.ring.kv_cache, ring_meta.slots, raw_keys)
+            selected = qsa_paged.index_topk(
+                index_q, cache.block_keys.kv_cache, keys_meta.block_table, meta.token_req, positions,
+                ratio=self.ratio, topk=self.topk, max_groups=self.max_groups,
+            )  # fmt: skip
+        qsa_paged.sparse_attention(
+            q, gate, cache.kv_cache, meta.block_table, meta.token_req, positions, selected,
+            ratio=self.ratio, scale=self.scale, out=out,
+        )  # fmt: skip
+
+    def _index_queries_and_keys(
+        self, hidden_states: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, rotated fp32 index queries ``[T, Hi, Di]``, raw index keys ``[T, Di]``)."""
+        indexer = self.indexer
+        assert indexer is not None
+        index_qk, _ = indexer.index_qk_proj(hidden_states)
+        q, raw_keys = index_qk.split([indexer.num_heads * indexer.head_dim, indexer.head_dim], dim=-1)
+        q = self.rotary.rotate(indexer.q_layernorm(q.unflatten(-1, (indexer.num_heads, indexer.head_dim))), positions)
+        return q.float(), raw_keys.contiguous()

@@ -1,0 +1,104 @@
+"""The served model (`qwen38_plugin.vllm_model`) built in this process from vLLM's layers.
+
+- torch.compile traces its forward as one graph (``fullgraph=True``, dynamic token count), the
+  stateful blocks as opaque vLLM custom ops: what vLLM's `support_torch_compile` needs on CUDA
+  (the CPU platform runs vLLM uncompiled, so this is the only place the CPU can check it);
+- a forward dispatches the same aten ops for 2 and for 13 tokens, and the custom ops take the
+  same arguments: nothing in the model loops over tokens or requests.
+
+Both without a step's metadata (as vLLM's profiling run): the custom ops then write zeros.
+The engine tests check what the model computes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint: Callable[..., Path], vllm_single_rank: None) -> Iterator[tuple[Any, Any]]:
+    """(the built model, its VllmConfig) for the tiny fp32 checkpoint, weights loaded."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+    from qwen38_plugin import register
+    from qwen38_plugin.model import iter_safetensors
+    from qwen38_plugin.vllm_model import PortableQwen4ExpForCausalLM
+
+    register()
+    model_dir = tiny_checkpoint("qwen4_exp_text", dtype="float32")
+    config = EngineArgs(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=256)
+    vllm_config = config.create_engine_config()
+    with pytest.MonkeyPatch.context() as env, set_current_vllm_config(vllm_config):
+        env.setenv("QWEN38_PLE_TABLE", "device")  # no shared-memory segment for a model that never loads
+        model = initialize_model(vllm_config, model_class=PortableQwen4ExpForCausalLM)
+        model.load_weights(iter_safetensors(model_dir))
+        process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
+    assert isinstance(model, PortableQwen4ExpForCausalLM)
+    yield model, vllm_config
+
+
+def _inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 248_000, (n,)), torch.arange(n)
+
+
+def test_forward_traces_as_one_graph(served: tuple[Any, Any]) -> None:
+    from vllm.forward_context import set_forward_context
+
+    model, vllm_config = served
+    torch._dynamo.reset()
+    compiled = torch.compile(model.model.forward, fullgraph=True, backend="eager", dynamic=True)
+    with set_forward_context(None, vllm_config), torch.no_grad():
+        for n in (5, 9):
+            ids, positions = _inputs(n)
+            out = compiled(ids, positions)
+            assert out.shape == (n, model.config.hidden_size) and bool(torch.isfinite(out).all())
+            assert torch.equal(out, model.model.forward(ids, positions))
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Counts the aten / custom ops a forward dispatches at the top level (not inside our ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self._inside = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func.overloadpacket)
+        if self._inside == 0:
+            self.ops[name] += 1
+        custom = name.startswith("vllm.qwen38_")
+        self._inside += custom
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self._inside -= custom
+
+
+def test_forward_dispatches_the_same_ops_for_any_token_count(served: tuple[Any, Any]) -> None:
+    from vllm.forward_context import set_forward_context
+
+    model, vllm_config = served
+    counts = []
+    with set_forward_context(None, vllm_config), torch.no_grad():
+        # (2 and 13: a single row is contiguous where more rows are not, so `.contiguous()` of a
+        # split copies for more rows only; that is shape, not a loop)
+        for n in (2, 13):
+            recorder = _OpRecorder()
+            with recorder:
+                model.model.forward(*_inputs(n))
+            counts.append(recorder.ops)
+    assert counts[0] == counts[1]
+    assert counts[0]["vllm.qwen38_qsa_attention"] == model.config.layer_types.count("indexed_attention")
+    assert counts[0]["vllm.qwen38_ple_mix"] == len(model.config.ple_layer_ids)
+    # nothing reads a tensor back to the host
+    assert not {"aten._local_scalar_dense", "aten.item", "aten.nonzero"} & set(counts[0])
