@@ -1,0 +1,259 @@
+"""The portable Qwen4Exp inside stock vLLM on a GPU: decode and prefill against the weight-read
+roofline and against transformers, measured in one run.
+
+    python benchmarks/qwen38_plugin/bench_gpu.py OUT_DIR [--config medium] [--dtype float16]
+        [--batches 1,8,64,256] [--modes eager,graphs] [--stock]
+
+For each mode (``eager``: ``enforce_eager=True``; ``graphs``: vLLM's default, torch.compile plus
+CUDA graphs for decode steps) and batch size B, ``B`` requests of ``--prompt-len`` random tokens
+run together through `vllm.LLM` in a child process: prefill tokens/s from a ``max_tokens=1`` run,
+decode tokens/s from ``B * (new_tokens - 1) / (total - prefill time)``, medians of ``--repeats``.
+transformers' ``Qwen4ExpForCausalLM.generate`` runs the same prompts as one batch on the same GPU.
+With ``--stock``, stock vLLM's own Qwen4Exp (bf16, ``QWEN38_FORCE_PORTABLE=0``) is tried on the
+same checkpoint; what stops it is recorded if it does not start.
+
+The roofline: the bytes a decode step must read at batch B (lm_head, the projections and norms of
+every layer, the experts the batch touches in expectation, the shared experts; KV and states are
+small at these lengths and left out, which makes the roofline optimistic) over the device-to-device
+copy bandwidth measured in the same run (bytes read + written / time). Printed: tokens/s, the
+fraction of the roofline and the ratio to transformers. Results: OUT_DIR/bench_gpu.json and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
+
+from bench_cpu import CONFIGS  # noqa: E402  (the same model geometries as the CPU benchmark)
+
+
+def build_checkpoint(out_dir: Path, config: str, dtype: str, stock_gate: bool) -> Path:
+    from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
+
+    overrides = dict(CONFIGS[config])
+    if stock_gate:
+        # Stock's GDN layer asserts on an unset output_gate_type; transformers uses hidden_act then.
+        overrides["output_gate_type"] = "silu"
+    path = out_dir / f"ckpt-{config}-{dtype}"
+    if not path.exists():
+        build_tiny_checkpoint(path, "qwen4_exp_text", overrides=overrides, dtype=dtype)
+    return path
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB: bytes read + written per second (median of 20)."""
+    import torch
+
+    src = torch.randn(2**29, device="cuda")  # 2 GiB of fp32
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * 4 / statistics.median(times[5:])
+
+
+def decode_bytes(config: dict[str, Any], batch: int, elem: int) -> float:
+    """Weight bytes one decode step of ``batch`` requests must read (see the module docstring)."""
+    h, hc = config["hidden_size"], config["hc_count"]
+    width = h * hc
+    layers = config["layer_types"]
+    params = config["vocab_size"] * h  # lm_head
+    params += batch * h  # embedding rows
+    hc_mixer = width * config["hc_lowrank"] * 2 + width * (hc + 1)  # down, up, inject, norm
+    params += (2 * len(layers) + 1) * hc_mixer
+    e, k, inter = config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]
+    touched = e * (1 - (1 - k / e) ** batch)
+    expert = 3 * h * inter
+    for kind in layers:
+        if kind == "linear_attention":
+            kd = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+            vd = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+            params += h * (2 * kd + vd) + h * vd + 2 * h * config["linear_num_value_heads"] + vd * h
+        else:
+            d = config["head_dim"]
+            params += h * (2 * config["num_attention_heads"] * d + 2 * config["num_key_value_heads"] * d)
+            params += config["num_attention_heads"] * d * h
+            params += h * (config["indexer_n_heads"] + 1) * config["indexer_head_dim"]
+        params += touched * expert + 3 * h * config["shared_expert_intermediate_size"] + h * (e + 1)
+    for _ in config.get("ple_layer_ids") or []:
+        params += config["ple_embed_dim"] * (width + h) + 3 * width
+    return float(params * elem)
+
+
+def _rates(batch: int, new_tokens: int, prefill_s: float, total_s: float, prompt_len: int) -> dict[str, float]:
+    return {
+        "prefill_tok_s": batch * prompt_len / prefill_s,
+        "decode_tok_s": batch * (new_tokens - 1) / max(total_s - prefill_s, 1e-9),
+        "step_ms": 1e3 * max(total_s - prefill_s, 1e-9) / (new_tokens - 1),
+    }
+
+
+def child_vllm(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {"enforce_eager": args.mode == "eager"}
+    llm = LLM(
+        model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 16, seed=0,
+        max_num_seqs=max(args.batches), max_num_batched_tokens=max(8192, args.prompt_len * 8),
+        gpu_memory_utilization=0.5, **kwargs,
+    )  # fmt: skip
+    results: dict[str, Any] = {}
+    for batch in args.batches:
+        ps = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, args.prompt_len, seed=batch)]
+
+        def run(max_tokens: int, inputs: list[TokensPrompt] = ps) -> float:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            start = time.perf_counter()
+            llm.generate(inputs, params, use_tqdm=False)
+            return time.perf_counter() - start
+
+        run(4)  # warm-up at this batch size
+        prefill = statistics.median(run(1) for _ in range(args.repeats))
+        total = statistics.median(run(args.new_tokens) for _ in range(args.repeats))
+        results[str(batch)] = _rates(batch, args.new_tokens, prefill, total, args.prompt_len)
+    return results
+
+
+def child_transformers(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import Qwen4ExpForCausalLM
+
+    model = Qwen4ExpForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).cuda().eval()
+    results: dict[str, Any] = {}
+    with torch.no_grad():
+        for batch in args.batches:
+            ids = torch.tensor(_prompts(batch, args.prompt_len, seed=batch), device="cuda")
+
+            def run(max_new_tokens: int, ids: torch.Tensor = ids) -> float:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+                torch.cuda.synchronize()
+                return time.perf_counter() - start
+
+            run(2)
+            prefill = statistics.median(run(1) for _ in range(args.repeats))
+            total = statistics.median(run(args.new_tokens) for _ in range(args.repeats))
+            results[str(batch)] = _rates(batch, args.new_tokens, prefill, total, args.prompt_len)
+    return results
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 240_000, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def run_child(kind: str, args: argparse.Namespace, extra_env: dict[str, str], timeout: int) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", kind, "--model", args.model, "--dtype", args.dtype,
+           "--batches", ",".join(map(str, args.batches)), "--mode", args.mode, "--repeats", str(args.repeats),
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "unused"]  # fmt: skip
+    env = {**os.environ, **extra_env}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        return {"error": f"timed out after {timeout} s", "log": str(exc.stdout)[-3000:]}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        errors = [line for line in (proc.stderr + proc.stdout).splitlines() if "Error" in line or "error" in line]
+        return {"error": (errors[-1] if errors else f"exit {proc.returncode}")[:500], "log": proc.stderr[-4000:]}
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--config", default="medium", choices=sorted(CONFIGS))
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--batches", default="1,8,64,256")
+    parser.add_argument("--modes", default="eager,graphs")
+    parser.add_argument("--mode", default="graphs")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--stock", action="store_true")
+    parser.add_argument("--timeout", type=int, default=420)
+    parser.add_argument("--child")
+    parser.add_argument("--model")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.child:
+        result = child_vllm(args) if args.child == "vllm" else child_transformers(args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = build_checkpoint(args.out, args.config, args.dtype, stock_gate=False)
+    args.model = str(model)
+    config = json.loads((model / "config.json").read_text())
+    elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    bandwidth = copy_bandwidth()
+    report: dict[str, Any] = {"config": args.config, "dtype": args.dtype, "copy_bandwidth_GBps": bandwidth / 1e9,
+                              "gpu": torch.cuda.get_device_name(), "results": {}}  # fmt: skip
+    roof = {b: b / (decode_bytes(config, b, elem) / bandwidth) for b in args.batches}
+    report["roofline_decode_tok_s"] = {str(b): r for b, r in roof.items()}
+    for mode in args.modes.split(","):
+        args.mode = mode
+        report["results"][f"ours-{mode}"] = run_child("vllm", args, {}, args.timeout)
+        _save(args.out, report)
+    report["results"]["transformers"] = run_child("transformers", args, {}, args.timeout)
+    _save(args.out, report)
+    if args.stock:
+        stock_model = build_checkpoint(args.out, args.config, "bfloat16", stock_gate=True)
+        stock_args = argparse.Namespace(**vars(args))
+        stock_args.model, stock_args.dtype, stock_args.mode = str(stock_model), "bfloat16", "graphs"
+        report["results"]["stock-bf16"] = run_child("vllm", stock_args, {"QWEN38_FORCE_PORTABLE": "0"}, args.timeout)
+        _save(args.out, report)
+    print_table(report, args.batches)
+
+
+def _save(out: Path, report: dict[str, Any]) -> None:
+    (out / "bench_gpu.json").write_text(json.dumps(report, indent=2))
+
+
+def print_table(report: dict[str, Any], batches: list[int]) -> None:
+    roof = report["roofline_decode_tok_s"]
+    hf = report["results"].get("transformers", {})
+    print(f"{report['gpu']}, {report['config']} {report['dtype']}, copy {report['copy_bandwidth_GBps']:.0f} GB/s")
+    print("| run | batch | decode tok/s | step ms | of roofline | vs transformers | prefill tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, result in report["results"].items():
+        if "error" in result:
+            print(f"| {name} | - | failed: {result['error'][:200]} | | | | |")
+            continue
+        for b in batches:
+            r = result.get(str(b))
+            if r is None:
+                continue
+            ratio = float("nan")
+            if str(b) in hf and "error" not in hf:
+                ratio = r["decode_tok_s"] / hf[str(b)]["decode_tok_s"]
+            print(
+                f"| {name} | {b} | {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | "
+                f"{r['decode_tok_s'] / roof[str(b)]:.3f} | {ratio:.1f}x | {r['prefill_tok_s']:.0f} |"
+            )
+    print("roofline decode tok/s: " + ", ".join(f"b{b}: {roof[str(b)]:.0f}" for b in batches))
+
+
+if __name__ == "__main__":
+    main()
