@@ -120,6 +120,10 @@ class PortableQSAAttention(nn.Module):
         # One table for every QSA layer of the model (it spans the whole context).
         self.rotary = rotary
         self.index_rotary_dim = rotary.rotary_dim
+        # What the ops cache per device is made now, outside any CUDA-graph capture.
+        qsa_paged.prepare(
+            rotary.cos.device, rope_theta=config.rope_parameters["rope_theta"], rotary_dim=rotary.rotary_dim
+        )
         # Not a submodule: it carries no weights; vLLM binds its caches through the forward context.
         self._cache = (QSAKVCache(vllm_config, f"{prefix}.kv", self.num_kv_heads),)
         # The custom op finds this layer (and through it the caches) by name.

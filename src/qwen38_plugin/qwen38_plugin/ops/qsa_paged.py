@@ -790,7 +790,8 @@ def group_keys_torch(
 @cache
 def _inv_freq(theta: float, rotary_dim: int, device: torch.device) -> torch.Tensor:
     """RoPE's inverse frequencies exactly as `ops.common.rotary_cos_sin` computes them (fp32), made
-    once per device: the first (eager) call makes it, before any CUDA-graph capture."""
+    once per device. It must be made outside CUDA-graph capture (a capture records kernels without
+    running them, so a tensor first made there would hold garbage in eager steps): `prepare`."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float, device=device) / rotary_dim
     return 1.0 / (theta**exponents)
 
@@ -898,6 +899,14 @@ def index_scores_torch(
         scored = (groups[None, :] < complete[:, None]) & (complete[:, None] > topk)
         out[:, begin : begin + groups.shape[0]] = torch.where(scored, scores, -math.inf)
     return out
+
+
+def prepare(device: torch.device, *, rope_theta: float, rotary_dim: int) -> None:
+    """Make, eagerly, what the ops cache per device (the RoPE frequencies of `group_keys`, the
+    compute capability): a model calls it when it is built, before any step can be captured."""
+    if device.type == "cuda":
+        _inv_freq(float(rope_theta), rotary_dim, device)
+        _capability(device)
 
 
 @cache
@@ -1295,6 +1304,7 @@ __all__ = [
     "key_positions",
     "key_slots",
     "kv_slots",
+    "prepare",
     "ring_slots",
     "slot_mappings",
     "sparse_attention",
