@@ -58,16 +58,16 @@ FLASH_NEXT: dict[str, Any] = {
 def ple_table_entries(config: dict[str, Any]) -> int:
     """Entries of all PLE tables: each head's prime-sized rows (as the model sizes them) padded to
     the divisor, times the per-head width."""
-    from qwen38_plugin.model import _nth_prime_after
+    from qwen38_plugin.ops import ple
 
     heads = (config["ngram_size"] - 1) * config["heads_per_ngram"]
     width = config["ple_embed_dim"] // heads
     total = 0
     for layer in range(len(config.get("ple_layer_ids") or [])):
-        base = config["ngram_vocab_size_base"] - 1
-        rows = sum(_nth_prime_after(base, layer * heads + h + 1) for h in range(heads))
-        divisor = config["make_ngram_vocab_size_divisible_by"]
-        total += math.ceil(rows / divisor) * divisor * width
+        sizes = ple.ngram_head_sizes(
+            config["ngram_size"], config["heads_per_ngram"], config["ngram_vocab_size_base"], layer
+        )
+        total += ple.table_rows(sizes, config["make_ngram_vocab_size_divisible_by"]) * width
     return total
 
 

@@ -14,7 +14,6 @@ longer (prefill) sequence by itself.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -358,17 +357,15 @@ class NGramEmbedding(nn.Module):
     def __init__(self, config: Any, ple_layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         heads = (config.ngram_size - 1) * config.heads_per_ngram
-        sizes = [
-            _nth_prime_after(config.ngram_vocab_size_base - 1, ple_layer_index * heads + h + 1) for h in range(heads)
-        ]
-        total = sum(sizes)
-        divisor = config.make_ngram_vocab_size_divisible_by
+        sizes = ple.ngram_head_sizes(
+            config.ngram_size, config.heads_per_ngram, config.ngram_vocab_size_base, ple_layer_index
+        )
         self.register_buffer("layer_multipliers", torch.zeros(config.ngram_size, dtype=torch.long))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
         self.register_buffer("ngram_heads_offsets", torch.tensor([0, *sizes[:-1]], dtype=torch.long).cumsum(0))
         # Split by rows (vocabulary), as stock vLLM does: each rank looks up the rows it holds, zeros
         # elsewhere, and the ranks' lookups are summed.
-        rows = math.ceil(total / divisor) * divisor
+        rows = ple.table_rows(sizes, config.make_ngram_vocab_size_divisible_by)
         self.ngram_embedding = _Weight(tp.local(rows), config.ple_embed_dim // heads)
         self.tp, self.row_start = tp, tp.rank * tp.local(rows)
         self.tp_shards = {"ngram_embedding.weight": tp.slice(0, rows)}
@@ -386,15 +383,6 @@ def _row_parallel_lookup(ids: torch.Tensor, table: torch.Tensor, start: int, tp:
     outside = (local < 0) | (local >= table.shape[0])
     found = nn.functional.embedding(local.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0)
     return tp.all_reduce(found)
-
-
-def _nth_prime_after(start: int, count: int) -> int:
-    value = start
-    for _ in range(count):
-        value += 1
-        while value < 2 or any(value % d == 0 for d in range(2, math.isqrt(value) + 1)):
-            value += 1
-    return value
 
 
 class PLELayer(nn.Module):

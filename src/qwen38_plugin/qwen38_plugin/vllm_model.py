@@ -41,7 +41,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from qwen38_plugin.dispatch import logger
-from qwen38_plugin.model import ConfigError, check_config, check_tensor_parallel
+from qwen38_plugin.model import ConfigError, GatedResidual, check_config, check_tensor_parallel
 from qwen38_plugin.ops import hyper_connection
 from qwen38_plugin.vllm_gdn import (
     PortableGatedDeltaNet,
@@ -90,35 +90,6 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
             f"--decode-context-parallel-size {dcp}: the portable Qwen4Exp model does not support decode context "
             "parallelism yet; leave it at 1"
         )
-
-
-class GatedResidual(nn.Module):
-    """A hyper-connection mixer: reads the block input from the streams and, unless it is the
-    final mixer, the injection weights of the block's output (`ops.hyper_connection`)."""
-
-    def __init__(self, config: Any, inject: bool = True) -> None:
-        super().__init__()
-        width = config.hc_count * config.hidden_size
-        self.hc_count, self.eps = config.hc_count, config.rms_norm_eps
-        self.hc_norm = _Weight(width)
-        self.input_mix_weight_down = _Weight(config.hc_lowrank, width)
-        self.input_mix_weight_up = _Weight(width, config.hc_lowrank)
-        self.block_inject_weight = _Weight(config.hc_count, width) if inject else None
-
-    def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        inject = self.block_inject_weight.weight if self.block_inject_weight is not None else None
-        return hyper_connection.hc_mix(
-            streams, self.hc_norm.weight, self.input_mix_weight_down.weight, self.input_mix_weight_up.weight, inject,
-            hc_count=self.hc_count, eps=self.eps,
-        )  # fmt: skip
-
-
-class _Weight(nn.Module):
-    """A module holding one tensor named ``weight`` (a checkpoint name level)."""
-
-    def __init__(self, *shape: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(*shape))
 
 
 class PortableDecoderLayer(nn.Module):

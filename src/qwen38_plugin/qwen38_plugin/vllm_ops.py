@@ -36,6 +36,17 @@ def layer_name(name: str) -> Any:
     return _encode_layer_name(name)
 
 
+def register_owner(vllm_config: Any, name: str, owner: Any) -> Any:
+    """Put ``owner`` in vLLM's forward context under ``name`` (where the ops find it); returns the
+    name as the ops take it. Registers the ops on first use."""
+    register_ops()
+    context = vllm_config.compilation_config.static_forward_context
+    if name in context:
+        raise ValueError(f"Duplicate layer name: {name}")
+    context[name] = owner
+    return layer_name(name)
+
+
 def step_metadata(name: str) -> Any:
     """The step's metadata of the cache layer ``name``, or None (vLLM's profiling run has none)."""
     metadata = get_forward_context().attn_metadata

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 import mmap
 import os
 from typing import Any
@@ -37,7 +36,7 @@ from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.platforms import current_platform
 
 from qwen38_plugin import vllm_ops
-from qwen38_plugin.ops import ple_varlen
+from qwen38_plugin.ops import ple, ple_varlen
 from qwen38_plugin.vllm_qsa_cache import model_dtype
 
 logger = logging.getLogger("vllm.plugins.qwen38_plugin")
@@ -57,25 +56,10 @@ def table_placement(environ: dict[str, str] | None = None) -> str:
     return value
 
 
-def _nth_prime_after(start: int, count: int) -> int:
-    value = start
-    for _ in range(count):
-        value += 1
-        while value < 2 or any(value % d == 0 for d in range(2, math.isqrt(value) + 1)):
-            value += 1
-    return value
-
-
 def ngram_head_sizes(config: Any, ple_layer_index: int) -> list[int]:
-    """Table rows of each n-gram head of one PLE layer (primes after the base), as transformers builds them."""
-    heads = (config.ngram_size - 1) * config.heads_per_ngram
-    return [_nth_prime_after(config.ngram_vocab_size_base - 1, ple_layer_index * heads + h + 1) for h in range(heads)]
-
-
-def table_rows(config: Any, ple_layer_index: int) -> int:
-    total = sum(ngram_head_sizes(config, ple_layer_index))
-    divisor = config.make_ngram_vocab_size_divisible_by
-    return math.ceil(total / divisor) * divisor
+    return ple.ngram_head_sizes(
+        config.ngram_size, config.heads_per_ngram, config.ngram_vocab_size_base, ple_layer_index
+    )
 
 
 class SharedHostTable:
@@ -115,10 +99,11 @@ class NGramTable(nn.Module):
     def __init__(self, vllm_config: VllmConfig, config: Any, ple_layer_index: int, prefix: str) -> None:
         super().__init__()
         heads = (config.ngram_size - 1) * config.heads_per_ngram
-        self.rows, self.dim = table_rows(config, ple_layer_index), config.ple_embed_dim // heads
+        sizes = ngram_head_sizes(config, ple_layer_index)
+        self.rows = ple.table_rows(sizes, config.make_ngram_vocab_size_divisible_by)
+        self.dim = config.ple_embed_dim // heads
         self.dtype = model_dtype(vllm_config)
         self.placement = table_placement()
-        sizes = ngram_head_sizes(config, ple_layer_index)
         self.layer_multipliers = nn.Parameter(torch.zeros(config.ngram_size, dtype=torch.long), requires_grad=False)
         self.ngram_heads_vocab_sizes = nn.Parameter(torch.tensor(sizes, dtype=torch.long), requires_grad=False)
         self.ngram_heads_offsets = nn.Parameter(
@@ -211,12 +196,7 @@ class PortablePLE(nn.Module):
         )
         self.norm_key, self.norm_query, self.norm_conv = (GroupedNorm(width, hidden) for _ in range(3))
         self.conv1d = _ConvWeight(width, config.ple_conv_kernel_size)
-        vllm_ops.register_ops()
-        context = vllm_config.compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        context[prefix] = self
-        self.op_layer_name = vllm_ops.layer_name(prefix)
+        self.op_layer_name = vllm_ops.register_owner(vllm_config, prefix, self)
 
     @property
     def gdn(self) -> Any:

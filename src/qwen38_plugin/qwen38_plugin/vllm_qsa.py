@@ -127,12 +127,7 @@ class PortableQSAAttention(nn.Module):
         # Not a submodule: it carries no weights; vLLM binds its caches through the forward context.
         self._cache = (QSAKVCache(vllm_config, f"{prefix}.kv", self.num_kv_heads),)
         # The custom op finds this layer (and through it the caches) by name.
-        vllm_ops.register_ops()
-        context = vllm_config.compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        context[prefix] = self
-        self.op_layer_name = vllm_ops.layer_name(prefix)
+        self.op_layer_name = vllm_ops.register_owner(vllm_config, prefix, self)
 
     @property
     def cache(self) -> QSAKVCache:

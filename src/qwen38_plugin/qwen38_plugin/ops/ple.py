@@ -24,6 +24,27 @@ import torch.nn.functional as F
 from qwen38_plugin.ops.common import causal_conv1d, rms_norm
 
 
+def _nth_prime_after(start: int, count: int) -> int:
+    value = start
+    for _ in range(count):
+        value += 1
+        while value < 2 or any(value % d == 0 for d in range(2, math.isqrt(value) + 1)):
+            value += 1
+    return value
+
+
+def ngram_head_sizes(ngram_size: int, heads_per_ngram: int, vocab_size_base: int, ple_layer_index: int) -> list[int]:
+    """Table rows of each n-gram head of one PLE layer: consecutive primes after the base, each
+    layer continuing where the previous one stopped (as transformers sizes them)."""
+    heads = (ngram_size - 1) * heads_per_ngram
+    return [_nth_prime_after(vocab_size_base - 1, ple_layer_index * heads + h + 1) for h in range(heads)]
+
+
+def table_rows(head_sizes: list[int], divisible_by: int) -> int:
+    """Rows of a PLE layer's table: its heads' rows side by side, padded to ``divisible_by``."""
+    return math.ceil(sum(head_sizes) / divisible_by) * divisible_by
+
+
 def initial_context(batch: int, ngram_size: int, eos_token_id: int, device: torch.device | None = None) -> torch.Tensor:
     """The n-gram context of a fresh sequence: ``[B, n - 1]`` filled with EOS."""
     return torch.full((batch, ngram_size - 1), eos_token_id, dtype=torch.long, device=device)
