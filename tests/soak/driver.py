@@ -57,35 +57,12 @@ import anthropic
 import httpx
 import openai
 
+from tests.tool_definitions import GET_WEATHER, WRITE_FILE
+
 FORCED_IDS_KEY = "forced_token_ids"  # tests/tool_parsers/forced_output.py
 
 # Tools without `strict`: no grammar, so a forced call reaches the parser as written.
-CHAT_TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather forecast",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "write_file",
-            "description": "Write a file",
-            "parameters": {
-                "type": "object",
-                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                "required": ["path", "content"],
-            },
-        },
-    },
-]
+CHAT_TOOLS: list[dict[str, Any]] = [GET_WEATHER, WRITE_FILE]
 # Strict tools: `tool_choice="required"` compiles a grammar for them.
 STRICT_TOOLS: list[dict[str, Any]] = [
     {
