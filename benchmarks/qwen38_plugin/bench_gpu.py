@@ -5,7 +5,8 @@ roofline and against transformers, measured in one run.
         [--batches 1,8,64,256] [--modes eager,graphs] [--stock]
 
 For each mode (``eager``: ``enforce_eager=True``; ``graphs``: vLLM's default, torch.compile plus
-CUDA graphs for decode steps) and batch size B, ``B`` requests of ``--prompt-len`` random tokens
+CUDA graphs for decode steps, in vLLM's default GPU model runner (V2); ``graphs-v1``: the same in
+the V1 runner, the one the CPU tests run) and batch size B, ``B`` requests of ``--prompt-len`` random tokens
 run together through `vllm.LLM` in a child process: prefill tokens/s from a ``max_tokens=1`` run,
 decode tokens/s from ``B * (new_tokens - 1) / (total - prefill time)``, medians of ``--repeats``.
 transformers' ``Qwen4ExpForCausalLM.generate`` runs the same prompts as one batch on the same GPU.
@@ -107,7 +108,7 @@ def child_vllm(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs: dict[str, Any] = {"enforce_eager": args.mode == "eager"}
+    kwargs: dict[str, Any] = {"enforce_eager": args.mode == "eager"}  # graphs, graphs-v1: vLLM's default
     llm = LLM(
         model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 16, seed=0,
         max_num_seqs=max(args.batches), max_num_batched_tokens=max(8192, args.prompt_len * 8),
@@ -184,7 +185,7 @@ def main() -> None:
     parser.add_argument("--config", default="medium", choices=sorted(CONFIGS))
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--batches", default="1,8,64,256")
-    parser.add_argument("--modes", default="eager,graphs")
+    parser.add_argument("--modes", default="eager,graphs,graphs-v1")
     parser.add_argument("--mode", default="graphs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -214,7 +215,8 @@ def main() -> None:
     report["roofline_decode_tok_s"] = {str(b): r for b, r in roof.items()}
     for mode in args.modes.split(","):
         args.mode = mode
-        report["results"][f"ours-{mode}"] = run_child("vllm", args, {}, args.timeout)
+        env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if mode.endswith("-v1") else {}
+        report["results"][f"ours-{mode}"] = run_child("vllm", args, env, args.timeout)
         _save(args.out, report)
     report["results"]["transformers"] = run_child("transformers", args, {}, args.timeout)
     _save(args.out, report)

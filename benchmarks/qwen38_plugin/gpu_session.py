@@ -6,10 +6,10 @@ of ../shared/docs/h200-vllm.md installed (stock vLLM 0.32 and this checkout's pl
 1. ``ops``: the CUDA tests of the kernels (QSA paged ops, varlen GDN / PLE, fla's GDN), natively
    and in CUDA graphs.
 2. ``exact``: stock vLLM serving the tiny checkpoint with our model, CUDA graphs on (vLLM's
-   default), concurrent mixed-length prompts, chunked prefill and prefix-cache hits: fp32 greedy
-   tokens against transformers on the same GPU (must be identical), fp16 against transformers
-   fp16 (identical until the first step where transformers' top two logprobs are closer than the
-   fp16 tolerance; the count is printed).
+   default), concurrent mixed-length prompts, chunked prefill and prefix-cache hits, in both GPU
+   model runners (V2, vLLM's default on GPUs, and V1): fp32 greedy tokens against transformers on
+   the same GPU (must be identical), fp16 against transformers fp16 (identical until the first
+   step where transformers' own top two logprobs nearly tie; counts and margins are printed).
 3. ``bench``: benchmarks/qwen38_plugin/bench_gpu.py (medium config, fp16, batches 1 / 8 / 64 / 256,
    eager and CUDA graphs, transformers, stock's bf16 model if it starts).
 4. ``tp2`` (two GPUs): the fp32 tokens of 2. at ``tensor_parallel_size=2`` equal TP=1's.
@@ -59,11 +59,13 @@ def run(name: str, cmd: list[str], out: Path, timeout: int, env: dict[str, str] 
     return {"status": status, "seconds": round(time.time() - start, 1), "tail": log[-1500:]}
 
 
-def engine_tokens(model: Path, dtype: str, tp: int, out: Path, tag: str, **kwargs: Any) -> list[list[int]] | None:
-    extra = {"max_num_batched_tokens": 64, "max_num_seqs": 16, "tensor_parallel_size": tp, **kwargs}
+def engine_tokens(
+    model: Path, dtype: str, tp: int, out: Path, tag: str, env: dict[str, str] | None = None
+) -> list[list[int]] | None:
+    extra = {"max_num_batched_tokens": 64, "max_num_seqs": 16, "tensor_parallel_size": tp}
     cmd = [sys.executable, str(ROOT / "tests/qwen38_plugin/qwen38_engine_greedy.py"), str(model), dtype, str(STEPS),
            json.dumps(prompts(0)), json.dumps(extra)]  # fmt: skip
-    result = run(f"engine-{tag}", cmd, out, 600)
+    result = run(f"engine-{tag}", cmd, out, 600, env)
     lines = [line for line in (out / f"engine-{tag}.log").read_text().splitlines() if line.startswith('{"tokens"')]
     tokens: list[list[int]] | None = json.loads(lines[-1])["tokens"] if lines else None
     if tokens is None:
@@ -90,6 +92,8 @@ def reference(model: Path, dtype: str) -> tuple[list[list[int]], list[list[float
 
 
 def exact(out: Path, tp2: bool) -> dict[str, Any]:
+    """Both of vLLM's GPU model runners: V2 (vLLM's default where Triton exists; the CPU runs V1,
+    so V2 is untested elsewhere) and V1."""
     from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
 
     report: dict[str, Any] = {}
@@ -97,21 +101,25 @@ def exact(out: Path, tp2: bool) -> dict[str, Any]:
         model = out / f"tiny-{dtype}"
         if not model.exists():
             build_tiny_checkpoint(model, "qwen4_exp_text", dtype=dtype)
-        served = engine_tokens(model, dtype, 1, out, f"{dtype}-tp1")
         ref, margins = reference(model, dtype)
-        if served is None:
-            report[dtype] = {"error": "engine failed"}
-            continue
-        equal = [sum(a == b for a, b in zip(s, r, strict=True)) for s, r in zip(served, ref, strict=True)]
-        first_diff = [next((i for i, (a, b) in enumerate(zip(s, r, strict=True)) if a != b), None)
-                      for s, r in zip(served, ref, strict=True)]  # fmt: skip
-        near_tie = [m[i] if i is not None else None for m, i in zip(margins, first_diff, strict=True)]
-        report[dtype] = {"identical_prompts": sum(e == STEPS for e in equal), "prompts": len(equal),
-                         "equal_tokens": equal, "reference_margin_at_first_difference": near_tie}  # fmt: skip
-        if tp2 and dtype == "float32":
-            tp2_tokens = engine_tokens(model, dtype, 2, out, f"{dtype}-tp2")
-            report["tp2_float32_equals_tp1"] = tp2_tokens == served
-        (out / "exact.json").write_text(json.dumps(report, indent=2))
+        for runner, env in (("v2", {}), ("v1", {"VLLM_USE_V2_MODEL_RUNNER": "0"})):
+            served = engine_tokens(model, dtype, 1, out, f"{dtype}-{runner}-tp1", env)
+            key = f"{dtype}-{runner}"
+            if served is None:
+                report[key] = {"error": "engine failed"}
+                continue
+            equal = [sum(a == b for a, b in zip(s, r, strict=True)) for s, r in zip(served, ref, strict=True)]
+            first = [next((i for i, (a, b) in enumerate(zip(s, r, strict=True)) if a != b), None)
+                     for s, r in zip(served, ref, strict=True)]  # fmt: skip
+            report[key] = {
+                "identical_prompts": sum(e == STEPS for e in equal), "prompts": len(equal), "equal_tokens": equal,
+                "reference_margin_at_first_difference": [m[i] if i is not None else None
+                                                         for m, i in zip(margins, first, strict=True)],
+            }  # fmt: skip
+            if tp2 and dtype == "float32":
+                tp2_tokens = engine_tokens(model, dtype, 2, out, f"{dtype}-{runner}-tp2", env)
+                report[f"tp2-{runner}-float32-equals-tp1"] = tp2_tokens == served
+            (out / "exact.json").write_text(json.dumps(report, indent=2))
     return report
 
 
