@@ -10,6 +10,7 @@ import sys
 from sm70_backend import __version__
 
 SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
+BACKEND_CLASS = "sm70_backend.attention_backend.FlashAttnV100Backend"
 
 # A child of the "vllm" logger, so vLLM's own logging configuration prints it
 # with the process name and pid of whichever vLLM process ran the plugin.
@@ -25,6 +26,22 @@ def _announce(message: str) -> None:
         print(f"INFO [sm70_backend] {message}", file=sys.stderr, flush=True)
 
 
+def register_attention_backend() -> str:
+    """FLASH_ATTN_V100 as a new member of vLLM's AttentionBackendEnum (once per process)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from sm70_backend.attention_backend import BACKEND_NAME
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, BACKEND_CLASS)
+    elif AttentionBackendEnum[BACKEND_NAME].get_path() != BACKEND_CLASS:
+        raise RuntimeError(
+            f"attention backend {BACKEND_NAME} is already registered to "
+            f"{AttentionBackendEnum[BACKEND_NAME].get_path()}, not sm70_backend's {BACKEND_CLASS}"
+        )
+    return f"attention backend {BACKEND_NAME}"
+
+
 def register_with_vllm() -> list[str]:
     import vllm
 
@@ -35,12 +52,11 @@ def register_with_vllm() -> list[str]:
             f"found vLLM {vllm.__version__}: install a supported vLLM or remove sm70_backend "
             f"from VLLM_PLUGINS."
         )
-    # The FLASH_ATTN_V100 backend and the SM70 platform hooks land here with
-    # their kernels; until then the plugin loads and registers nothing.
-    registered: list[str] = []
+    from sm70_backend.envs import register_with_vllm_envs
 
+    registered = [f"env {', '.join(register_with_vllm_envs())}", register_attention_backend()]
     _announce(
         f"sm70_backend {__version__} registered in process {multiprocessing.current_process().name} "
-        f"(pid {os.getpid()}): {', '.join(registered) or 'nothing yet'}"
+        f"(pid {os.getpid()}): {'; '.join(registered)}"
     )
     return registered
