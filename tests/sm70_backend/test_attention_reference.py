@@ -11,14 +11,16 @@ in fp32 and rounds the result to fp16: 2 fp16 ulps of the largest output are all
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sm70_backend.kernels import attention, reference
+from sm70_backend.kernels import attention, nvrtc, reference
 from tests.sm70_backend.attention_cases import make_batch, new_kv, rel_error
 
 FP16_TOL = 2 * 2.0**-10
@@ -126,3 +128,18 @@ def test_split_policy_is_a_function_of_the_batch_shape() -> None:
     assert attention.choose_splits(4, 4, 32, 8, 80) == 5
     assert attention.choose_splits(4096, 2, 32, 8, 80) == 1
     assert attention.tokens_per_tile(32, 8) == 16 and attention.tokens_per_tile(12, 1) == 5
+
+
+def test_readme_names_every_kernel_with_its_sm70_status() -> None:
+    """The README's table lists every CUDA kernel of this plugin and every Triton kernel of
+    qwen38_plugin's GPU path (compiled for sm_70 by qsa_paged_compile_check.py)."""
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "src" / "sm70_backend" / "README.md").read_text()
+    cuda = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)', nvrtc.kernel_source())
+    triton = re.findall(
+        r"@triton\.jit\s+def (\w+)", (root / "src/qwen38_plugin/qwen38_plugin/ops/qsa_paged.py").read_text()
+    )
+    kernels = set(cuda) | {name for name in triton if name.endswith("_kernel")}
+    assert {"sm70_flash_attention", "sm70_write_kv", "sm70_merge_splits", "_sparse_attention_kernel"} <= kernels
+    missing = sorted(name for name in kernels if f"`{name}`" not in readme)
+    assert not missing, f"kernels without a row in src/sm70_backend/README.md: {missing}"
