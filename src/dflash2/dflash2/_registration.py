@@ -35,9 +35,12 @@ def register_with_vllm() -> list[str]:
             f"found vLLM {vllm.__version__}: install a supported vLLM or remove dflash2 "
             f"from VLLM_PLUGINS."
         )
-    # The DFlash2 drafter hooks land here; until then the plugin loads and
-    # registers nothing.
+    from dflash2 import speculative_args
+
     registered: list[str] = []
+    # Raises StockChanged on a vLLM whose EngineArgs it does not know (vLLM logs the failure).
+    speculative_args.install()
+    registered.append(f"--speculative-config key {speculative_args.LADDER_KEY}")
 
     _announce(
         f"dflash2 {__version__} registered in process {multiprocessing.current_process().name} "
