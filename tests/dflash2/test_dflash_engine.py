@@ -1,16 +1,18 @@
-"""The ladder through a real stock vLLM engine on CPU: DFlash drafts, the ladder's verify widths.
+"""DFlash through a real stock vLLM engine on CPU at tensor parallelism 2: the ladder's verify
+widths, the column-parallel `fc`, the target's greedy tokens.
 
-One engine start (about a minute on 2 cores): a tiny Qwen3 target in fp32, a tiny random DFlash
-drafter (`dflash2.tiny`), ``--speculative-config`` with the seed's ladder ``{"4": 3, "5": 4}`` and
-7 drafts, six concurrent greedy requests of different lengths. vLLM's per-request metrics give the
-drafts verified at every step; the number of requests running at every step follows from them
-(all six are prefilled in the first step and each is scheduled once per step until it finishes).
+One engine start (about a minute on 2 cores): a tiny Qwen3 target in fp32 at
+``--tensor-parallel-size 2``, a tiny random DFlash drafter (`dflash2.tiny`) whose `fc` dflash2
+makes column-parallel (K17), ``--speculative-config`` with the seed's ladder ``{"4": 3, "5": 4}``
+and 7 drafts, six concurrent greedy requests of different lengths. `spec_engine_run.py` records
+every step's `SchedulerOutput`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -44,14 +46,24 @@ def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: list[int
 
 
 def run_engine(model: Path, spec: dict[str, object], prompts: list[list[int]], max_tokens: list[int]) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    extra = {"max_num_seqs": 8, "enforce_eager": True, "dtype": "float32", "gpu_memory_utilization": 0.05}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    extra = {
+        "max_num_seqs": 8,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "gpu_memory_utilization": 0.05,
+        "tensor_parallel_size": 2,
+    }
     args = [str(model), json.dumps(spec), json.dumps(prompts), json.dumps(max_tokens), json.dumps(extra)]
     cmd = ["flock", LOCK, sys.executable, str(HERE / "spec_engine_run.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     assert "dflash_concurrency_drafts {'4': 3, '5': 4} -> num_speculative_tokens_per_batch_size" in log, log[-6000:]
+    # both ranks built the drafter's fc column-parallel (each holds half of its rows)
+    for rank in (0, 1):
+        line = rf"\(Worker_TP{rank} pid=\d+\).*dflash2: DFlash fc \[256 -> 128\] column-parallel over 2 ranks"
+        assert re.search(line, log), log[-6000:]
     result: dict = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')][-1])
     return result
 
