@@ -11,7 +11,9 @@ config hook can add a key to ``--speculative-config``. This module wraps that on
   capture and metrics then handle;
 - it turns async scheduling off (the seed's rule) and refuses ``--async-scheduling``, pipeline
   or data parallelism, and a stock schedule given as well;
-- with or without a ladder, it refuses `method="dflash"` with pipeline parallelism.
+- with or without a ladder, it refuses `method="dflash"` with pipeline parallelism, and a DFlash
+  drafter whose `dflash_config.target_feature_reduction` does not fit the target (`hc_mean` is
+  required for a hyper-connection target, `dflash2.target_features`).
 
 The wrapper is installed only after `check_stock()` finds the stock code it relies on; on any
 other vLLM `install()` raises `StockChanged` naming what changed (vLLM logs a plugin that fails
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash2.ladder import LADDER_KEY, STOCK_SCHEDULE_KEY, LadderError, check_settings, parse_ladder
+from dflash2.target_features import check_drafter
 
 logger = logging.getLogger("vllm.plugins.dflash2")
 
@@ -125,6 +128,8 @@ def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         if spec is None:
             return spec
         refuse_pipeline_parallel(spec.method, target_parallel_config.pipeline_parallel_size)
+        if spec.method == "dflash" and spec.draft_model_config is not None:
+            check_drafter(target_model_config.hf_config, spec.draft_model_config.hf_config, str(spec.model))
         if ladder:
             parsed = parse_ladder(ladder[0][1], spec.num_speculative_tokens)
             schedule = parsed.stock_schedule()
