@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -133,20 +134,14 @@ def test_the_console_script_is_installed(
     drafter: Path,
 ) -> None:
     venv = make_venv(tmp_path, vllm_without_our_plugins)
-    root = Path(__file__).resolve().parents[2]
-    install = subprocess.run(
-        [
-            venv / "bin" / "python",
-            "-m",
-            "pip",
-            "install",
-            "--no-build-isolation",
-            "--no-index",
-            str(root / "src/dflash2"),
-        ],
-        capture_output=True,
-        text=True,
+    # a copy: pip builds in the source tree, and its build files must not land in src/
+    source = shutil.copytree(
+        Path(__file__).resolve().parents[2] / "src" / "dflash2",
+        tmp_path / "dflash2-source",
+        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"),
     )
+    pip = [venv / "bin" / "python", "-m", "pip", "install", "--no-build-isolation", "--no-index", str(source)]
+    install = subprocess.run(pip, capture_output=True, text=True)
     assert install.returncode == 0, install.stdout + install.stderr
     run = subprocess.run(
         [venv / "bin" / "dflash2-view", str(drafter), str(tmp_path / "v")], capture_output=True, text=True
