@@ -10,6 +10,8 @@ import sys
 from dflash2 import __version__
 
 SUPPORTED_VLLM_SERIES = ("0.32", "0.33")
+DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+DRAFTER_CLASS = "dflash2.vllm_drafter:DFlashColumnParallelFcForCausalLM"
 
 # A child of the "vllm" logger, so vLLM's own logging configuration prints it
 # with the process name and pid of whichever vLLM process ran the plugin.
@@ -35,9 +37,17 @@ def register_with_vllm() -> list[str]:
             f"found vLLM {vllm.__version__}: install a supported vLLM or remove dflash2 "
             f"from VLLM_PLUGINS."
         )
-    # The DFlash2 drafter hooks land here; until then the plugin loads and
-    # registers nothing.
+    from dflash2 import speculative_args
+
     registered: list[str] = []
+    # Raises StockChanged on a vLLM whose EngineArgs it does not know (vLLM logs the failure).
+    speculative_args.install()
+    registered.append(f"--speculative-config key {speculative_args.LADDER_KEY}")
+    from vllm import ModelRegistry
+
+    # Stock's DFlash drafter with a column-parallel fc at TP > 1 (K17); at TP = 1 it is stock's.
+    ModelRegistry.register_model(DRAFTER_ARCHITECTURE, DRAFTER_CLASS)
+    registered.append(f"{DRAFTER_ARCHITECTURE} with a column-parallel fc")
 
     _announce(
         f"dflash2 {__version__} registered in process {multiprocessing.current_process().name} "

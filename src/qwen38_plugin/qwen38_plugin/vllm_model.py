@@ -35,7 +35,13 @@ from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMambaPrefixCaching
+from vllm.model_executor.models.interfaces import (
+    EagleModelMixin,
+    HasInnerState,
+    IsHybrid,
+    SupportsEagle3,
+    SupportsMambaPrefixCaching,
+)
 from vllm.model_executor.models.qwen3_next import Qwen3NextSparseMoeBlock
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
@@ -124,7 +130,7 @@ class PortableDecoderLayer(nn.Module):
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})
-class PortableQwen4ExpModel(nn.Module):
+class PortableQwen4ExpModel(nn.Module, EagleModelMixin):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
@@ -142,15 +148,27 @@ class PortableQwen4ExpModel(nn.Module):
     def decoder_layers(self) -> list[PortableDecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, PortableDecoderLayer)]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         streams = hyper_connection.hc_expand(self.embed_tokens(input_ids), self.config.hc_count)
-        for layer in self.layers:
+        aux: list[torch.Tensor] = []
+        for index, layer in enumerate(self.layers):
+            self._add_aux_hidden_state(aux, index, streams)
             streams = layer(streams, positions, input_ids)
+        self._add_aux_hidden_state(aux, len(self.layers), streams)
         hidden, _ = self.hyper_connection_mixer.mix(streams)
-        return hidden
+        return (hidden, aux) if aux else hidden
+
+    def _add_aux_hidden_state(self, aux: list[torch.Tensor], index: int, streams: torch.Tensor) -> None:
+        """vLLM's auxiliary hidden states (EAGLE-3 / DFlash target features): the residual state
+        entering layer `index` (the number of layers: the last layer's output), averaged over the
+        hyper-connection streams (``hc_mean``, which a DFlash drafter for this model declares)."""
+        if index in self.aux_hidden_state_layers:
+            aux.append(hyper_connection.hc_mean(streams, self.config.hc_count))
 
 
-class PortableQwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefixCaching):
+class PortableQwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMambaPrefixCaching, SupportsEagle3):
     """`Qwen4ExpForCausalLM` for vLLM on CPU, CUDA < 8.0 and fp16 / fp32 (see the module docstring)."""
 
     is_portable_qwen4exp: ClassVar[bool] = True
@@ -220,7 +238,7 @@ class PortableQwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMa
         intermediate_tensors: Any = None,
         inputs_embeds: torch.Tensor | None = None,
         **kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         if input_ids is None:
             raise NotImplementedError("the portable Qwen4Exp model needs token ids (PLE hashes them)")
         return self.model(input_ids, positions)

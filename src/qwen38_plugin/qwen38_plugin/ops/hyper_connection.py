@@ -48,3 +48,10 @@ def hc_inject(streams: torch.Tensor, block_output: torch.Tensor, injection: torc
 def hc_expand(embeddings: torch.Tensor, hc_count: int) -> torch.Tensor:
     """The initial residual state: every stream starts as the token embedding ``[..., H]``."""
     return embeddings.repeat(*([1] * (embeddings.dim() - 1)), hc_count)
+
+
+def hc_mean(streams: torch.Tensor, hc_count: int) -> torch.Tensor:
+    """The mean over the residual streams, ``[..., hc * H]`` -> ``[..., H]``: the target feature a
+    DFlash drafter for a hyper-connection model reads (``target_feature_reduction = "hc_mean"``)."""
+    *lead, width = streams.shape
+    return streams.view(*lead, hc_count, width // hc_count).mean(dim=-2)

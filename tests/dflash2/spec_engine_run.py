@@ -1,0 +1,78 @@
+"""Run as a script: greedy-decode prompts with speculative decoding in stock vLLM; print JSON.
+
+Usage: spec_engine_run.py MODEL SPECULATIVE_CONFIG_JSON PROMPTS_JSON MAX_TOKENS_JSON [LLM kwargs JSON]
+
+All prompts (token ids) are submitted together, request i with greedy sampling, `ignore_eos` and
+MAX_TOKENS[i] tokens. The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+so all requests are queued before its first step, and every step's `SchedulerOutput` (what the
+target runs and verifies) is recorded as it leaves stock's scheduler.
+
+Prints one stdout line {"tokens", "drafted", "accepted", "steps"}: per request its tokens and, from
+vLLM's per-request metrics (``per_request_spec_decode_metrics="detailed"``), the drafts verified
+and accepted at each of its verify steps; per engine step the number of requests scheduled, the
+drafts scheduled for verification per request (in request order) and the number of drafts the
+scheduler asks the drafter for (`num_spec_tokens_to_schedule`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+
+def main() -> None:
+    model, spec_json, prompts_json, max_tokens_json = sys.argv[1:5]
+    extra: dict[str, Any] = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra.setdefault("max_model_len", 512)
+    llm = LLM(
+        model=model,
+        seed=0,
+        speculative_config=json.loads(spec_json),
+        per_request_spec_decode_metrics="detailed",
+        **extra,
+    )
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule = scheduler.schedule
+    steps: list[dict[str, Any]] = []
+    request_order: list[str] = []
+
+    def recording_schedule(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        if output.num_scheduled_tokens:
+            for req_id in output.num_scheduled_tokens:
+                if req_id not in request_order:
+                    request_order.append(req_id)
+            spec = output.scheduled_spec_decode_tokens
+            steps.append(
+                {
+                    "scheduled": len(output.num_scheduled_tokens),
+                    "verified": [
+                        len(spec.get(r, [])) if r in output.num_scheduled_tokens else None for r in request_order
+                    ],
+                    "next_drafts": output.num_spec_tokens_to_schedule,
+                }
+            )
+        return output
+
+    scheduler.schedule = recording_schedule
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts_json)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in json.loads(max_tokens_json)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result: dict[str, Any] = {"tokens": [], "drafted": [], "accepted": [], "steps": steps}
+    for output in outputs:
+        completion = output.outputs[0]
+        metrics = completion.spec_decode_metrics
+        result["tokens"].append(list(completion.token_ids))
+        result["drafted"].append(list(metrics.per_step_drafted) if metrics else [])
+        result["accepted"].append(list(metrics.per_step_accepted) if metrics else [])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
