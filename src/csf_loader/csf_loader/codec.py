@@ -98,6 +98,15 @@ class CsfPlane:
     exceptions: torch.Tensor  # uint32, 1-D, sorted by position
 
 
+def nvfp4_plane_shape(fixed_shape: tuple[int, ...] | list[int]) -> tuple[int, int] | None:
+    """The ``[rows, cols]`` scale plane an NVFP4-CSF fixed stream of this shape codes, None if no
+    plane does (``fixed`` is ``[rows / 16, 16 * (1 + cols / 2)]``; MXFP4's 1-D stream does not
+    carry its shape)."""
+    if len(fixed_shape) != 2 or fixed_shape[1] % SLAB_ROWS or fixed_shape[1] < 2 * SLAB_ROWS:
+        return None
+    return int(fixed_shape[0]) * SLAB_ROWS, (int(fixed_shape[1]) // SLAB_ROWS - 1) * 2
+
+
 def check_geometry(codec: CsfCodec, rows: int, cols: int, what: str) -> None:
     """Refuse shapes the codec cannot represent, naming the tensor."""
     if rows <= 0 or cols <= 0:

@@ -27,9 +27,7 @@ Startup checks (each error names the tensor, and the shard when known):
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import re
 import time
 from collections.abc import Callable, Generator, Iterable
 from pathlib import Path
@@ -41,7 +39,17 @@ from vllm.config import ModelConfig
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS, CsfFormatError, CsfPlane, decode, decode_region
+from csf_loader.codec import (
+    MXFP4_CSF,
+    NVFP4_CSF,
+    SLAB_ROWS,
+    CsfFormatError,
+    CsfPlane,
+    decode,
+    decode_region,
+    nvfp4_plane_shape,
+)
+from csf_loader.layout import Container, is_mxfp4_container, logical_2d, read_container, read_index
 from csf_loader.preflight import check_mxfp4_container, check_nvfp4_checkpoint
 from csf_loader.safetensors_io import CheckpointError
 
@@ -56,9 +64,10 @@ class CsfLoadError(ValueError):
 
 
 def nvfp4_logical_shape(fixed: torch.Tensor, where: str) -> tuple[int, int]:
-    if fixed.dim() != 2 or fixed.shape[1] % SLAB_ROWS or fixed.shape[1] < 2 * SLAB_ROWS:
+    plane = nvfp4_plane_shape(tuple(fixed.shape))
+    if plane is None:
         raise CsfLoadError(f"{where}{FIXED}: shape {list(fixed.shape)} is not [rows / 16, 16 * (1 + cols / 2)]")
-    return fixed.shape[0] * SLAB_ROWS, (fixed.shape[1] // SLAB_ROWS - 1) * 2
+    return plane
 
 
 Extent = tuple[tuple[int, int], tuple[int, int]]
@@ -131,11 +140,14 @@ def decode_csf_stream(
 
 
 def shard_index(model_dir: str) -> dict[str, str]:
-    index = Path(model_dir) / "model.safetensors.index.json"
-    if not index.is_file():
+    """tensor -> shard from the index (empty for a hub id or a checkpoint without an index)."""
+    root = Path(model_dir)
+    if not root.is_dir():
         return {}
-    weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
-    return weight_map
+    try:
+        return read_index(root) or {}
+    except CheckpointError as exc:
+        raise CsfLoadError(str(exc)) from None
 
 
 def csf_planes(model_dir: str) -> dict[str, str]:
@@ -183,69 +195,23 @@ def check_tp_geometry(model: nn.Module, planes: dict[str, str], tp_size: int) ->
             )
 
 
-MXFP4_SCHEMA = "lil-mxfp4-csf-checkpoint/1"
-LAYER_PATTERN = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def is_mxfp4_container(model_dir: str) -> bool:
-    return (Path(model_dir) / "manifest.json").is_file()
-
-
-def read_mxfp4_contract(root: Path) -> dict[str, Any]:
-    """Validate manifest.json / build-contract.json / receipts of an MXFP4-CSF container.
-
-    Returns {"shards": [...], "receipts": {shard: receipt}, "layers": (first, end)}.
-    """
-    docs = {}
-    for doc in ("manifest.json", "build-contract.json"):
-        path = root / doc
-        if not path.is_file():
-            raise CsfLoadError(f"{path}: missing from the MXFP4-CSF container")
-        docs[doc] = json.loads(path.read_text())
-    manifest, contract = docs["manifest.json"], docs["build-contract.json"]
-    for key, expected in (("schema", MXFP4_SCHEMA), ("codec", MXFP4_CSF.name)):
-        for doc, data in docs.items():
-            if data.get(key) != expected:
-                raise CsfLoadError(f"{root / doc}: {key} {data.get(key)!r}; this reader accepts only {expected!r}")
-    if manifest.get("family") != contract.get("family") or not manifest.get("family"):
-        raise CsfLoadError(f"{root}: manifest.json and build-contract.json must name the same model family")
-    layers = manifest.get("compressed_layers")
-    if layers != contract.get("compressed_layers") or not isinstance(layers, list) or len(layers) != 2:
-        raise CsfLoadError(f"{root}: the family's compressed layer range differs between manifest and contract")
-    shards = [item["file"] for item in manifest.get("shards", [])]
-    receipts = {}
-    for name in shards:
-        if Path(name).name != name or not name.endswith(".safetensors"):
-            raise CsfLoadError(f"{root / 'manifest.json'}: shard name {name!r} is not a local safetensors file")
-        if not (root / "tensors" / name).is_file():
-            raise CsfLoadError(f"{root / 'manifest.json'}: names shard {name}, missing from {root / 'tensors'}")
-        receipt = root / "receipts" / f"{name}.json"
-        if not receipt.is_file():
-            raise CsfLoadError(f"{receipt}: receipt for shard {name} is missing")
-        receipts[name] = json.loads(receipt.read_text())
-    if set(contract.get("source_names", {}).values()) - set(shards):
-        raise CsfLoadError(f"{root}: build-contract.json maps tensors to shards the manifest does not list")
-    first, end = int(layers[0]), int(layers[1])
-    for name, receipt in receipts.items():
-        for tensor in receipt.get("tensors", {}):
-            m = LAYER_PATTERN.search(tensor)
-            if m is None or not first <= int(m.group(1)) < end:
-                raise CsfLoadError(
-                    f"{root / 'tensors' / name}: compressed tensor {tensor} lies outside the family's compressed "
-                    f"layer range [{first}, {end})"
-                )
-    return {"shards": shards, "receipts": receipts, "layers": (first, end)}
+def read_mxfp4_contract(root: Path) -> Container:
+    """``layout.read_container``, its errors as startup errors of the load format."""
+    try:
+        return read_container(root)
+    except CheckpointError as exc:
+        raise CsfLoadError(str(exc)) from None
 
 
 def mxfp4_container_stream(root: Path) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Source-named tensors of an MXFP4-CSF container, compressed scales decoded."""
     from safetensors import safe_open
 
-    contract = read_mxfp4_contract(root)
+    container = read_mxfp4_contract(root)
     fixed_sfx, exc_sfx = MXFP4_CSF.fixed_suffix, MXFP4_CSF.exceptions_suffix
-    for shard in contract["shards"]:
-        path = root / "tensors" / shard
-        compressed: dict[str, Any] = contract["receipts"][shard].get("tensors", {})
+    for shard in container.shards:
+        path = container.tensor_dir / shard
+        compressed = container.compressed(shard)
         with safe_open(str(path), "pt") as f:
             names = list(f.keys())
             present = set(names)
@@ -263,12 +229,10 @@ def mxfp4_container_stream(root: Path) -> Generator[tuple[str, torch.Tensor], No
                 if base not in compressed:
                     raise CsfLoadError(f"{path}: {base} is compressed but has no receipt entry (shape unknown)")
                 shape = tuple(compressed[base]["shape"])
-                rows = 1
-                for d in shape[:-1]:
-                    rows *= d
+                rows, cols = logical_2d(shape)
                 plane = CsfPlane(f.get_tensor(name), f.get_tensor(base + exc_sfx))
                 try:
-                    scales = decode(plane, MXFP4_CSF, rows, shape[-1], what=f"{path}: {base}")
+                    scales = decode(plane, MXFP4_CSF, rows, cols, what=f"{path}: {base}")
                 except CsfFormatError as exc:
                     raise CsfLoadError(str(exc)) from None
                 out = scales.reshape(shape)
@@ -293,8 +257,7 @@ def preflight(model: str) -> None:
         return
     try:
         if is_mxfp4_container(model):
-            contract = read_mxfp4_contract(root)
-            check_mxfp4_container(root, contract["shards"], contract["receipts"])
+            check_mxfp4_container(read_mxfp4_contract(root))
         else:
             check_nvfp4_checkpoint(root)
     except CheckpointError as exc:
