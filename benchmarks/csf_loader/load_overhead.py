@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from csf_loader.vllm_loader import decode_csf_stream
+from csf_loader.stream import decode_csf_stream
 
 
 def stream(root: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -28,7 +28,7 @@ def test_triton_kernels_match_reference_under_interpreter(which: str) -> None:
 
 def test_library_kernel_modules_import_without_vllm() -> None:
     code = (
-        "import sys, csf_loader.triton_decode, csf_loader.codec\n"
+        "import sys, csf_loader.triton_decode, csf_loader.codec, csf_loader.device_decode\n"
         "assert 'vllm' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -188,8 +188,8 @@ def exception_fields(exceptions: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return words & POSITION_MASK, (words >> POSITION_BITS).to(torch.uint8)
 
 
-def validate_plane(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> None:
-    """Check dtypes, sizes, base limits and exception positions; raise naming the tensor."""
+def check_plane_layout(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> None:
+    """The checks that need no tensor data: geometry, dtypes and shapes (raise naming the stream)."""
     check_geometry(codec, rows, cols, what)
     fixed, exceptions = plane.fixed, plane.exceptions
     fname, ename = what + codec.fixed_suffix, what + codec.exceptions_suffix
@@ -204,15 +204,21 @@ def validate_plane(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what:
             f"{fname}: shape {list(fixed.shape)} does not match {list(codec.fixed_shape(rows, cols))} "
             f"for a [{rows}, {cols}] scale matrix"
         )
-    bases = fixed.reshape(rows // SLAB_ROWS, -1)[:, :SLAB_ROWS].reshape(-1)
+
+
+def check_plane_values(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> None:
+    """Base limits and exception positions (inside the plane, strictly increasing), read where the
+    tensors are (any device); raise naming the stream. Assumes ``check_plane_layout`` passed."""
+    fname, ename = what + codec.fixed_suffix, what + codec.exceptions_suffix
+    bases = plane.fixed.reshape(rows // SLAB_ROWS, -1)[:, :SLAB_ROWS].reshape(-1)
     over = torch.nonzero(bases > codec.max_base)
     if over.numel():
         bad = int(over[0].item())
         raise CsfFormatError(
             f"{fname}: row {bad} has base {int(bases[bad].item())} above the {codec.name} limit {codec.max_base}"
         )
-    if exceptions.numel():
-        positions, _ = exception_fields(exceptions)
+    if plane.exceptions.numel():
+        positions, _ = exception_fields(plane.exceptions)
         last = int(positions.max().item())
         if last >= rows * cols:
             raise CsfFormatError(
@@ -220,6 +226,12 @@ def validate_plane(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what:
             )
         if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
             raise CsfFormatError(f"{ename}: exception positions are not strictly increasing")
+
+
+def validate_plane(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> None:
+    """Check dtypes, sizes, base limits and exception positions; raise naming the tensor."""
+    check_plane_layout(plane, codec, rows, cols, what)
+    check_plane_values(plane, codec, rows, cols, what)
 
 
 def decode(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str = "scales") -> torch.Tensor:
