@@ -188,7 +188,7 @@ def main() -> int:
         check(expected in on_device and "model-00001-of-00001.safetensors" in on_device, f"{label}: {on_device!r}")
 
     with tempfile.TemporaryDirectory() as tmp:
-        from tests.csf_loader.test_convert import make_mxfp4_moe
+        from tests.csf_loader.toy_checkpoints import make_mxfp4_moe
 
         src = make_mxfp4_moe(Path(tmp) / "src")
         csf = Path(tmp) / "csf"

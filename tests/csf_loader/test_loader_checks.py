@@ -112,7 +112,7 @@ def test_mxfp4_container_stream_yields_the_source_tensors(tmp_path: Path) -> Non
 
     from csf_loader.convert import main as csf_convert
     from csf_loader.stream import mxfp4_container_stream
-    from tests.csf_loader.test_convert import make_mxfp4_moe
+    from tests.csf_loader.toy_checkpoints import make_mxfp4_moe
 
     src = make_mxfp4_moe(tmp_path / "src")
     dst = tmp_path / "csf"
@@ -129,7 +129,7 @@ def test_mxfp4_container_stream_yields_the_source_tensors(tmp_path: Path) -> Non
 def test_mxfp4_container_contract_violations_fail_at_startup(tmp_path: Path) -> None:
     from csf_loader.convert import main as csf_convert
     from csf_loader.stream import read_mxfp4_contract
-    from tests.csf_loader.test_convert import make_mxfp4_moe
+    from tests.csf_loader.toy_checkpoints import make_mxfp4_moe
 
     src = make_mxfp4_moe(tmp_path / "src")
     dst = tmp_path / "csf"
@@ -186,7 +186,7 @@ def rewrite_shard(path: Path, change: Any) -> None:
 def test_preflight_names_file_and_tensor_for_bad_nvfp4_checkpoints(tmp_path: Path) -> None:
     from csf_loader.convert import main as csf_convert
     from csf_loader.stream import preflight
-    from tests.csf_loader.test_convert import make_nvfp4_moe
+    from tests.csf_loader.toy_checkpoints import make_nvfp4_moe
 
     src = make_nvfp4_moe(tmp_path / "src")
     csf = tmp_path / "csf"
@@ -246,7 +246,7 @@ def test_preflight_names_file_and_tensor_for_bad_nvfp4_checkpoints(tmp_path: Pat
 def test_preflight_checks_mxfp4_container_shards_against_receipts(tmp_path: Path) -> None:
     from csf_loader.convert import main as csf_convert
     from csf_loader.stream import preflight
-    from tests.csf_loader.test_convert import make_mxfp4_moe
+    from tests.csf_loader.toy_checkpoints import make_mxfp4_moe
 
     src = make_mxfp4_moe(tmp_path / "src")
     csf = tmp_path / "csf"
