@@ -30,6 +30,7 @@ Startup checks (each error names the tensor, and the shard when known):
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,10 @@ class CsfModelLoader(DefaultModelLoader):
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         decoder = self.decoder_for(model)
         if is_mxfp4_container(model_config.model):
+            # Stock starts its "Loading weights took" timer in its own weight iterator, which a
+            # container bypasses; without this the log reports the seconds since boot.
+            if self.counter_before_loading_weights == 0.0:
+                self.counter_before_loading_weights = time.perf_counter()
             yield from mxfp4_container_stream(Path(model_config.model), decoder)
             return
         shard_of = shard_index(model_config.model)
