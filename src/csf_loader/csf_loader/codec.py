@@ -49,6 +49,13 @@ class CsfCodec:
     offset_bits: int
     fixed_suffix: str
     exceptions_suffix: str
+    group: int  # FP4 weights per block scale
+    scale_dtypes: tuple[str, ...]  # the scales' safetensors dtypes in a standard checkpoint
+
+    @property
+    def weight_bytes_per_scale(self) -> int:
+        """Bytes of packed FP4 weight (two values per byte) per scale."""
+        return self.group // 2
 
     @property
     def window(self) -> int:
@@ -79,6 +86,8 @@ NVFP4_CSF = CsfCodec(
     offset_bits=4,
     fixed_suffix=".nvfp4_csf_fixed",
     exceptions_suffix=".nvfp4_csf_exceptions",
+    group=16,
+    scale_dtypes=("F8_E4M3",),
 )
 MXFP4_CSF = CsfCodec(
     name="row-base-offset1-u24-exceptions/1",
@@ -86,6 +95,8 @@ MXFP4_CSF = CsfCodec(
     offset_bits=1,
     fixed_suffix=".mxfp4_csf_fixed",
     exceptions_suffix=".mxfp4_csf_exceptions",
+    group=32,
+    scale_dtypes=("U8", "F8_E8M0"),
 )
 CODECS: dict[str, CsfCodec] = {c.name: c for c in (NVFP4_CSF, MXFP4_CSF)}
 

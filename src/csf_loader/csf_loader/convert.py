@@ -32,7 +32,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -55,7 +54,9 @@ from csf_loader.layout import (
     MXFP4_TENSORS,
     NVFP4_RECEIPTS,
     SOURCE_FILES,
+    experts_module,
     is_mxfp4_container,
+    is_routed_expert,
     layer_of,
     logical_2d,
     read_container,
@@ -72,7 +73,6 @@ from csf_loader.safetensors_io import (
     write_shard,
 )
 
-EXPERT_RE = re.compile(r"\.experts\.")
 CHUNK = 16 * 1024 * 1024
 
 
@@ -114,8 +114,7 @@ def module_of(scale_name: str) -> str:
 
 def recipe_key(module: str) -> str:
     """Routed experts get one recipe for the whole ``...experts`` module, as published."""
-    m = re.match(r"^(.*\.experts)\.\d+\.[^.]+$", module)
-    return m.group(1) if m else module
+    return experts_module(module) or module
 
 
 def csf_quant_config(source: dict[str, Any], compressed_scales: list[str], all_scales: list[str]) -> dict[str, Any]:
@@ -152,13 +151,13 @@ def csf_quant_config(source: dict[str, Any], compressed_scales: list[str], all_s
 
 
 def is_target(entry: TensorEntry, codec: CsfCodec, scope: str) -> bool:
-    if scope == "experts" and (not EXPERT_RE.search(entry.name) or "shared_expert" in entry.name):
+    if scope == "experts" and not is_routed_expert(entry.name):
         return False
     if codec is NVFP4_CSF:
-        return entry.name.endswith(".weight_scale") and entry.dtype == "F8_E4M3" and len(entry.shape) == 2
+        return entry.name.endswith(".weight_scale") and entry.dtype in codec.scale_dtypes and len(entry.shape) == 2
     return (
         entry.name.endswith(("scale", "scales"))
-        and entry.dtype in ("U8", "F8_E8M0")
+        and entry.dtype in codec.scale_dtypes
         and len(entry.shape) >= 2
         and "input" not in entry.name.rsplit(".", 1)[-1]
     )
@@ -278,7 +277,7 @@ def encode_shard(
     with ShardReader(src) as reader:
         header = reader.header
         for entry in header.tensors.values():
-            if codec is NVFP4_CSF and entry.name.endswith(".weight_scale") and entry.dtype == "F8_E4M3":
+            if codec is NVFP4_CSF and entry.name.endswith(".weight_scale") and entry.dtype in codec.scale_dtypes:
                 all_scales.append(entry.name)
             if not is_target(entry, codec, scope):
                 items.append((entry.name, entry.dtype, entry.shape, entry.nbytes))
@@ -339,7 +338,7 @@ def encode_checkpoint(
     config = json.loads(config_path.read_text())
     codec = codec or detect_codec(config)
     shards = shard_names(src)
-    check_source_scales(src, shards, codec.family)  # headers only: dtypes, truncation, scale/weight fit
+    check_source_scales(src, shards, codec)  # headers only: dtypes, truncation, scale/weight fit
     progress = Progress("encode", sum((src / s).stat().st_size for s in shards), quiet=quiet)
     summary: dict[str, Any] = {"codec": codec.name, "shards": len(shards), "tensors": 0}
     with atomic_output_dir(dst, force) as tmp:

@@ -34,6 +34,20 @@ SOURCE_FILES = "source-files"  # inside the receipts folder: the source config.j
 
 # The decoder layer a tensor belongs to: ``...layers.<N>.`` (also ``model.language_model.layers.N.``).
 LAYER_PATTERN = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A routed expert's projection module, ``<layer>.mlp.experts.<N>.<proj>``: group 1 is the layer's
+# ``...experts`` module (one quantization recipe, one ModelOpt ``ignore`` wildcard for all of them).
+ROUTED_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.[^.]+$")
+
+
+def experts_module(module: str) -> str | None:
+    """``<layer>.mlp.experts`` for a routed expert's projection module, None for anything else."""
+    m = ROUTED_EXPERT.match(module)
+    return m.group(1) if m else None
+
+
+def is_routed_expert(name: str) -> bool:
+    """A tensor of a routed expert (``.experts.`` in its name; shared experts are not routed)."""
+    return ".experts." in name and "shared_expert" not in name
 
 
 def layer_of(name: str) -> int | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS, nvfp4_plane_shape
+from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS, CsfCodec, nvfp4_plane_shape
 from csf_loader.layout import INDEX, MANIFEST, MXFP4_RECEIPTS, Container, logical_2d, read_index
 from csf_loader.safetensors_io import CheckpointError, ShardHeader, TensorEntry, read_header
 
@@ -85,15 +85,15 @@ def check_nvfp4_checkpoint(root: Path) -> None:
                 raise CheckpointError(
                     f"{where}: {entry.dtype} {list(entry.shape)}; expected U8 [rows / 16, 16 * (1 + cols / 2)]"
                 )
-            _check_weight_fits(entries, root, base, plane, 8)
+            _check_weight_fits(entries, root, base, plane, NVFP4_CSF.weight_bytes_per_scale)
         elif name.endswith(exc_sfx):
             base = name[: -len(exc_sfx)]
             if base + fixed_sfx not in entries:
                 raise CheckpointError(f"{where} has no partner {base}{fixed_sfx}")
             if entry.dtype != "U32" or len(entry.shape) != 1:
                 raise CheckpointError(f"{where}: {entry.dtype} {list(entry.shape)}; expected 1-D U32 exception words")
-        elif name.endswith(".weight_scale") and entry.dtype == "F8_E4M3" and len(entry.shape) == 2:
-            _check_weight_fits(entries, root, name, tuple(entry.shape), 8)
+        elif name.endswith(".weight_scale") and entry.dtype in NVFP4_CSF.scale_dtypes and len(entry.shape) == 2:
+            _check_weight_fits(entries, root, name, tuple(entry.shape), NVFP4_CSF.weight_bytes_per_scale)
 
 
 def check_mxfp4_container(container: Container) -> None:
@@ -125,15 +125,14 @@ def check_mxfp4_container(container: Container) -> None:
                     f"{where}{fixed_sfx}: {fixed.shape[0]} bytes do not code the receipt's {list(shape)} scales "
                     f"({MXFP4_CSF.fixed_numel(rows, cols)} bytes)"
                 )
-            _check_weight_fits(entries, tensors, base, shape, 16)
+            _check_weight_fits(entries, tensors, base, shape, MXFP4_CSF.weight_bytes_per_scale)
 
 
-def check_source_scales(root: Path, shards: list[str], family: str) -> None:
+def check_source_scales(root: Path, shards: list[str], codec: CsfCodec) -> None:
     """A standard FP4 source for ``csf-convert encode``: every ``<m>.weight_scale`` next to a
     packed ``U8`` ``<m>.weight`` has the format's dtype and fits the weight."""
     entries = _entries(shard_headers(root, shards, None))
-    dtypes = ("F8_E4M3",) if family == "nvfp4" else ("U8", "F8_E8M0")
-    per_byte_cols = 8 if family == "nvfp4" else 16
+    dtypes, per_byte_cols, family = codec.scale_dtypes, codec.weight_bytes_per_scale, codec.family
     for name, (shard, entry) in entries.items():
         weight = name.removesuffix(".weight_scale") + ".weight"
         if not name.endswith(".weight_scale") or weight not in entries or entries[weight][1].dtype != "U8":

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from csf_loader.layout import experts_module
+
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 E4M3_MAX = 448.0
 
@@ -81,8 +83,6 @@ def quantize_mxfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# A routed expert's projection: ``...experts.<N>.<proj>``.
-ROUTED_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.[^.]+$")
 
 
 def unquantized_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -92,8 +92,8 @@ def unquantized_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
     for name, t in tensors.items():
         if name.endswith(".weight") and t.dim() == 2 and t.is_floating_point():
             module = name.removesuffix(".weight")
-            m = ROUTED_EXPERT.match(module)
-            names.add(m.group(1) + "*" if m else module)
+            experts = experts_module(module)
+            names.add(experts + "*" if experts else module)
     return sorted(names)
 
 

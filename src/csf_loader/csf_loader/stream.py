@@ -21,7 +21,7 @@ from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, CsfFormatError, Csf
 from csf_loader.device_decode import DeviceMemoryError, PlaneDecoder
 from csf_loader.layout import Container, is_mxfp4_container, logical_2d, read_container, read_index
 from csf_loader.preflight import check_mxfp4_container, check_nvfp4_checkpoint
-from csf_loader.safetensors_io import CheckpointError
+from csf_loader.safetensors_io import TORCH_DTYPE, CheckpointError
 
 logger = logging.getLogger("vllm.plugins.csf_loader")
 
@@ -173,8 +173,10 @@ def mxfp4_container_stream(
                 rows, cols = logical_2d(shape)
                 plane = CsfPlane(f.get_tensor(name), f.get_tensor(base + exc_sfx))
                 out = decode_plane(decoder, plane, MXFP4_CSF, rows, cols, f"{path}: {base}").reshape(shape)
-                if compressed[base].get("dtype") == "F8_E8M0":
-                    out = out.view(torch.float8_e8m0fnu)
+                dtype = compressed[base].get("dtype", "U8")
+                if dtype not in TORCH_DTYPE or TORCH_DTYPE[dtype].itemsize != 1:
+                    raise CsfLoadError(f"{path}: {base}: its receipt's dtype {dtype!r} is not a 1-byte scale dtype")
+                out = out.view(TORCH_DTYPE[dtype])
                 yield base, out
             for name in present:
                 if name.endswith(exc_sfx) and name[: -len(exc_sfx)] + fixed_sfx not in present:
