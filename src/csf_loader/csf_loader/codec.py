@@ -194,8 +194,11 @@ def encode(scales: torch.Tensor, codec: CsfCodec, what: str = "scales") -> CsfPl
 
 
 def exception_fields(exceptions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split uint32 words into (int64 positions, uint8 values)."""
-    words = exceptions.to(torch.int64)
+    """Split uint32 words into (int64 positions, uint8 values).
+
+    The words are widened through their int32 view: torch's uint32 supports few operations on
+    CUDA, a bit-preserving view and an int32 -> int64 conversion work everywhere."""
+    words = exceptions.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     return words & POSITION_MASK, (words >> POSITION_BITS).to(torch.uint8)
 
 
