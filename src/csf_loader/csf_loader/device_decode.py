@@ -42,7 +42,8 @@ class DeviceMemoryError(RuntimeError):
 
 
 def kernel_for(device: torch.device, requested: str | None = None) -> str:
-    """ "triton" or "torch" for planes decoded onto ``device`` (``requested`` or ``CSF_LOADER_DECODE``)."""
+    """The kernel, "triton" or "torch", for planes decoded onto ``device``: ``requested`` (else
+    ``CSF_LOADER_DECODE``) "auto" picks Triton on CUDA (where triton is installed), torch elsewhere."""
     choice = (requested if requested is not None else os.environ.get(ENV, "auto")).strip() or "auto"
     if choice not in KERNELS:
         raise DecodeConfigError(
