@@ -7,9 +7,11 @@ Gaussian weights (per-row spread varies), encodes them, then on CUDA:
   * measures the ceilings in this run: a large device-to-device copy (``dst.copy_(src)``
     of 2 GiB, traffic = bytes read + written, the measure of the 4,246 GB/s figure), a
     copy of exactly the decoded size, and a fill (write-only) of the decoded size;
-  * sweeps launch configurations of the one-pass Triton kernel ("fused") plus the old
-    two-launch kernel ("words" + exception scatter), each checked bit for bit against the
-    source bytes (output poisoned first) before it is timed (median of CUDA events);
+  * times the library's kernel as the loader runs it ("library": csf_loader.triton_decode,
+    one configuration per family), then sweeps launch configurations of the exploration
+    kernel ("fused", decode_variants.py) plus the old two-launch kernel ("words" + exception
+    scatter), each checked bit for bit against the source bytes (output poisoned first)
+    before it is timed (median of CUDA events);
   * times the best configurations again on ``--layers`` layers decoded in one launch
     (more bytes per launch, as when a loader decodes several layers at once);
   * breaks the best one down: the same kernel without the exception pass.
@@ -225,8 +227,7 @@ def same_size_copy_and_fill(nbytes: int) -> tuple[float, float]:
 def bench_cuda(
     codec: CsfCodec, rows: int, cols: int, experts: int, layers: int, ceilings: dict[str, float], sweep: str
 ) -> dict[str, Any]:
-    from csf_loader import triton_decode
-    from csf_loader.triton_decode import decode_triton_stacked
+    import decode_variants
 
     scales = source_scales(codec, experts, rows, cols, seed=1, device="cuda")
     planes = [encode(scales[e], codec) for e in range(experts)]
@@ -250,8 +251,8 @@ def bench_cuda(
         o = out if n_layers == 1 else torch.empty(n_layers * experts, rows, cols, dtype=torch.uint8, device="cuda")
 
         def run() -> None:
-            decode_triton_stacked(
-                f, w, st, codec, n_layers * experts, rows, cols, o, max_count, variant=variant, **tuning
+            decode_variants.decode_variant(
+                f, w, st, codec, n_layers * experts, rows, cols, o, variant, max_count, **tuning
             )
 
         o.fill_(0xA5)  # poison: every byte must be written
@@ -296,23 +297,13 @@ def bench_cuda(
         kept["pass_seconds"] = [first["seconds"], second["seconds"]]
         configs.append(kept)
     configs.append(measure("words", {"block_r": 32, "block_c": 256, "num_warps": 4}, 1, fixed, words, starts))
+    library = measure("library", {}, 1, fixed, words, starts)
     ranked = sorted((c for c in configs if c["variant"] == "fused"), key=lambda c: c["seconds"])
     keys = TUNING_KEYS
     best_tuning = {k: ranked[0][k] for k in keys}
     breakdown = measure("fused-noexc", best_tuning, 1, fixed, words, starts)
-    handle = triton_decode._launch_fused(
-        fixed,
-        words,
-        starts,
-        out.view(-1),
-        codec,
-        experts,
-        rows,
-        cols,
-        *(best_tuning[k] for k in keys[:4]),
-        streaming=best_tuning["streaming"],
-        prefetch=best_tuning["prefetch"],
-        pipe=best_tuning["pipe"],
+    handle = decode_variants.launch_explore(
+        fixed, words, starts, out.view(-1), codec, experts, rows, cols, True, **best_tuning
     )
     big: list[dict[str, Any]] = []
     if layers > 1:
@@ -340,6 +331,7 @@ def bench_cuda(
         "layers_batched": big,
         "best": best,
         "best_one_layer": ranked[0],
+        "library": library,
         "ptx_global_ops": ptx_vector_ops(handle),
         "failed": failed,
     }
@@ -426,10 +418,10 @@ def main() -> int:
         print(
             "  variant      rpp chunk bch  w cs pf pp layers      us  decoded GB/s  traffic GB/s /ceiling /4246 passes"
         )
-        for c in [*r["configs"], r["without_exceptions"], *r["layers_batched"]]:
+        for c in [r["library"], *r["configs"], r["without_exceptions"], *r["layers_batched"]]:
             print(
                 f"  {c['variant']:<11} {c.get('rows_per_prog', '-')!s:>4} {c.get('chunk', '-')!s:>5} "
-                f"{c.get('block_ch', '-')!s:>3} {c['num_warps']:>2} {c.get('streaming', '-')!s:>2} "
+                f"{c.get('block_ch', '-')!s:>3} {c.get('num_warps', '-')!s:>2} {c.get('streaming', '-')!s:>2} "
                 f"{c.get('prefetch', '-')!s:>2} {c.get('pipe', '-')!s:>2} {c['layers']:>6} "
                 f"{1e6 * c['seconds']:>7.1f} "
                 f"{c['decode_GBps']:>13.0f} {c['traffic_GBps']:>13.0f} {c['traffic_over_ceiling']:>9.3f} "

@@ -1,65 +1,197 @@
-"""Load-time overhead of NVFP4-CSF against the uncompressed checkpoint, measured in one run.
+"""Loading a CSF checkpoint against loading its uncompressed source: time, peak host and GPU memory.
 
-    python benchmarks/csf_loader/load_overhead.py NVFP4_DIR CSF_DIR [--repeats 5]
+    python benchmarks/csf_loader/load_overhead.py SOURCE CSF [--repeats 3] [--dtype auto] [--json OUT]
 
-Times the host-side weight stream the `csf` load format feeds to a model: every tensor
-of every shard read from safetensors (page cache warm: one untimed pass first), and
-for CSF the same stream through `decode_csf_stream` (validation + decode of every
-plane). Reports medians and the ratio. The engine's own "Loading weights took" line
-adds model-side copies, equal for both.
+Each load runs in a fresh process (alternating source, CSF, source, ...) on the machine's device
+(CUDA when present, else CPU) through stock vLLM's own loader: the model is built from the
+checkpoint's config and ``get_model_loader(load_config).load_model(...)`` loads it, with
+``--load-format auto`` for the source and ``csf`` for the CSF checkpoint (this repository's
+plugins registered as vLLM registers them). Nothing else runs: no KV cache, no profiling run. Both
+checkpoints' files are read once before the first load (warm page cache). Per load it measures:
+
+* ``load_s``: wall time of ``load_model`` (model built, weights streamed and loaded, weights
+  processed); ``weights_s``: stock's own "Loading weights took" interval (the weight stream);
+* ``host_peak_bytes``: the process's peak resident memory during the load above its resident
+  memory before it (sampled every 2 ms), and ``host_hwm_bytes`` (the kernel's high-water mark);
+* ``gpu_peak_bytes`` / ``gpu_after_bytes``: ``torch.cuda.max_memory_allocated`` during the load
+  and ``memory_allocated`` after it (CUDA only).
+
+Prints the medians and the CSF / source ratios; ``--json`` writes every sample too. The CSF load
+should not be slower than the source's: on CUDA the planes are decoded on the GPU by the Triton
+kernel as they stream in (``csf_loader.device_decode``), on CPU by the torch codec.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import torch
-from safetensors import safe_open
-
-from csf_loader.vllm_loader import decode_csf_stream
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def stream(root: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in sorted(root.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
-def consume(it: Iterator[tuple[str, torch.Tensor]]) -> int:
-    return sum(t.numel() * t.element_size() for _, t in it)
+def hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
-def timed(fn: object, repeats: int) -> float:
-    assert callable(fn)
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+class PeakSampler(threading.Thread):
+    """Samples the process's resident memory until stopped; ``peak`` is the largest sample."""
+
+    def __init__(self, period: float = 0.002) -> None:
+        super().__init__(daemon=True)
+        self.period, self.peak, self._halt = period, rss_bytes(), threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.period)
+
+    def stop(self) -> int:
+        self._halt.set()
+        self.join()
+        self.peak = max(self.peak, rss_bytes())
+        return self.peak
+
+
+def child(model: str, load_format: str, dtype: str) -> dict[str, Any]:
+    """One load in this process; returns the measurements."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    cuda = torch.cuda.is_available()
+    args = EngineArgs(model=model, load_format=load_format, dtype=dtype, enforce_eager=True, max_model_len=256)
+    vllm_config = args.create_engine_config()
+    with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(vllm_config):
+        if cuda:
+            torch.cuda.set_device(0)
+        init_distributed_environment(
+            1, 0, distributed_init_method=f"file://{tmp}/init", local_rank=0, backend="nccl" if cuda else "gloo"
+        )
+        initialize_model_parallel(1, 1)
+        loader = get_model_loader(vllm_config.load_config)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            gpu_before = torch.cuda.memory_allocated()
+        before = rss_bytes()
+        sampler = PeakSampler()
+        sampler.start()
+        started = time.perf_counter()
+        model = loader.load_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        if cuda:
+            torch.cuda.synchronize()
+        load_s = time.perf_counter() - started
+        peak = sampler.stop()
+        result: dict[str, Any] = {
+            "format": load_format,
+            "device": "cuda" if cuda else "cpu",
+            "load_s": load_s,
+            "weights_s": loader.counter_after_loading_weights - loader.counter_before_loading_weights,
+            "host_peak_bytes": peak - before,
+            "host_after_bytes": rss_bytes() - before,
+            "host_hwm_bytes": hwm_bytes(),
+            "parameters_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        }
+        if cuda:
+            result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated() - gpu_before
+            result["gpu_after_bytes"] = torch.cuda.memory_allocated() - gpu_before
+    return result
+
+
+def run_child(model: Path, load_format: str, dtype: str, log: Path | None) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, __file__, "--child", str(model), load_format, "--dtype", dtype]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=False)
+    if log is not None:
+        with log.open("a") as f:
+            f.write(f"\n===== {load_format} {model}\n{proc.stdout}\n{proc.stderr}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"format"')]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"load of {model} ({load_format}) failed:\n{proc.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    decoded = [line for line in (proc.stdout + proc.stderr).splitlines() if "csf_loader: decoded" in line]
+    result["decode_log"] = decoded[-1].split("csf_loader: ", 1)[-1] if decoded else None
+    return result
+
+
+def warm(path: Path) -> None:
+    for file in sorted(path.rglob("*.safetensors")):
+        with file.open("rb") as f:
+            while f.read(1 << 24):
+                pass
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", type=Path)
-    parser.add_argument("csf", type=Path)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("source", type=Path, nargs="?")
+    parser.add_argument("csf", type=Path, nargs="?")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--log", type=Path, default=None, help="append every child's output here")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    plain = timed(lambda: consume(stream(args.source)), args.repeats)
-    csf = timed(lambda: consume(decode_csf_stream(stream(args.csf))), args.repeats)
-    size = sum(p.stat().st_size for p in args.source.glob("*.safetensors"))
-    csf_size = sum(p.stat().st_size for p in args.csf.glob("*.safetensors"))
-    print(
-        f"uncompressed {size / 1e6:.1f} MB: {plain * 1e3:.1f} ms; CSF {csf_size / 1e6:.1f} MB: {csf * 1e3:.1f} ms; "
-        f"overhead {100 * (csf / plain - 1):+.1f} % (torch threads {torch.get_num_threads()})"
-    )
+    if args.child:
+        print(json.dumps(child(args.child[0], args.child[1], args.dtype)), flush=True)
+        return 0
+    if args.source is None or args.csf is None:
+        parser.error("SOURCE and CSF are required")
+    warm(args.source)
+    warm(args.csf)
+    samples: dict[str, list[dict[str, Any]]] = {"source": [], "csf": []}
+    for _ in range(args.repeats):
+        samples["source"].append(run_child(args.source, "auto", args.dtype, args.log))
+        samples["csf"].append(run_child(args.csf, "csf", args.dtype, args.log))
+    keys = ["load_s", "weights_s", "host_peak_bytes", "host_hwm_bytes"]
+    if "gpu_peak_bytes" in samples["source"][0]:
+        keys += ["gpu_peak_bytes", "gpu_after_bytes"]
+    medians = {label: {k: statistics.median(s[k] for s in runs) for k in keys} for label, runs in samples.items()}
+    ratios = {k: medians["csf"][k] / medians["source"][k] if medians["source"][k] else None for k in keys}
+    device = samples["source"][0]["device"]
+    size = {label: sum(p.stat().st_size for p in path.rglob("*.safetensors")) for label, path in
+            (("source", args.source), ("csf", args.csf))}  # fmt: skip
+    print(f"device {device}, {args.repeats} loads each, medians (CSF decode: {samples['csf'][-1]['decode_log']})")
+    print(f"checkpoint bytes: source {size['source']:,}  csf {size['csf']:,}")
+    for k in keys:
+        unit = 1e6 if k.endswith("bytes") else 1.0
+        name = f"{k} ({'MB' if unit == 1e6 else 's'})"
+        ratio = ratios[k]
+        print(
+            f"  {name:<24} source {medians['source'][k] / unit:10.3f}   csf {medians['csf'][k] / unit:10.3f}"
+            f"   csf/source {ratio:.3f}"
+            if ratio is not None
+            else f"  {name:<24} source {medians['source'][k] / unit:10.3f}   csf {medians['csf'][k] / unit:10.3f}"
+        )
+    verdict = medians["csf"]["load_s"] <= medians["source"]["load_s"]
+    print(f"CSF load not slower than the source's: {verdict}")
+    if args.json:
+        report = {"device": device, "sizes": size, "medians": medians, "ratios": ratios, "samples": samples}
+        args.json.write_text(json.dumps({**report, "csf_not_slower": verdict}, indent=1))
     return 0
 
 

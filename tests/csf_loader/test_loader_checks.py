@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from csf_loader.codec import NVFP4_CSF, encode
-from csf_loader.vllm_loader import CsfLoadError, check_tp_geometry, decode_csf_stream
+from csf_loader.stream import CsfLoadError, decode_csf_stream
+from csf_loader.vllm_loader import check_tp_geometry
 
 
 def stream_for(name: str, scales: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -110,8 +111,8 @@ def test_mxfp4_container_stream_yields_the_source_tensors(tmp_path: Path) -> Non
     from safetensors import safe_open
 
     from csf_loader.convert import main as csf_convert
-    from csf_loader.vllm_loader import mxfp4_container_stream
-    from tests.csf_loader.test_convert import make_mxfp4_moe
+    from csf_loader.stream import mxfp4_container_stream
+    from tests.csf_loader.toy_checkpoints import make_mxfp4_moe
 
     src = make_mxfp4_moe(tmp_path / "src")
     dst = tmp_path / "csf"
@@ -127,8 +128,8 @@ def test_mxfp4_container_stream_yields_the_source_tensors(tmp_path: Path) -> Non
 
 def test_mxfp4_container_contract_violations_fail_at_startup(tmp_path: Path) -> None:
     from csf_loader.convert import main as csf_convert
-    from csf_loader.vllm_loader import read_mxfp4_contract
-    from tests.csf_loader.test_convert import make_mxfp4_moe
+    from csf_loader.stream import read_mxfp4_contract
+    from tests.csf_loader.toy_checkpoints import make_mxfp4_moe
 
     src = make_mxfp4_moe(tmp_path / "src")
     dst = tmp_path / "csf"
@@ -184,8 +185,8 @@ def rewrite_shard(path: Path, change: Any) -> None:
 
 def test_preflight_names_file_and_tensor_for_bad_nvfp4_checkpoints(tmp_path: Path) -> None:
     from csf_loader.convert import main as csf_convert
-    from csf_loader.vllm_loader import preflight
-    from tests.csf_loader.test_convert import make_nvfp4_moe
+    from csf_loader.stream import preflight
+    from tests.csf_loader.toy_checkpoints import make_nvfp4_moe
 
     src = make_nvfp4_moe(tmp_path / "src")
     csf = tmp_path / "csf"
@@ -244,8 +245,8 @@ def test_preflight_names_file_and_tensor_for_bad_nvfp4_checkpoints(tmp_path: Pat
 
 def test_preflight_checks_mxfp4_container_shards_against_receipts(tmp_path: Path) -> None:
     from csf_loader.convert import main as csf_convert
-    from csf_loader.vllm_loader import preflight
-    from tests.csf_loader.test_convert import make_mxfp4_moe
+    from csf_loader.stream import preflight
+    from tests.csf_loader.toy_checkpoints import make_mxfp4_moe
 
     src = make_mxfp4_moe(tmp_path / "src")
     csf = tmp_path / "csf"

@@ -49,6 +49,13 @@ class CsfCodec:
     offset_bits: int
     fixed_suffix: str
     exceptions_suffix: str
+    group: int  # FP4 weights per block scale
+    scale_dtypes: tuple[str, ...]  # the scales' safetensors dtypes in a standard checkpoint
+
+    @property
+    def weight_bytes_per_scale(self) -> int:
+        """Bytes of packed FP4 weight (two values per byte) per scale."""
+        return self.group // 2
 
     @property
     def window(self) -> int:
@@ -79,6 +86,8 @@ NVFP4_CSF = CsfCodec(
     offset_bits=4,
     fixed_suffix=".nvfp4_csf_fixed",
     exceptions_suffix=".nvfp4_csf_exceptions",
+    group=16,
+    scale_dtypes=("F8_E4M3",),
 )
 MXFP4_CSF = CsfCodec(
     name="row-base-offset1-u24-exceptions/1",
@@ -86,6 +95,8 @@ MXFP4_CSF = CsfCodec(
     offset_bits=1,
     fixed_suffix=".mxfp4_csf_fixed",
     exceptions_suffix=".mxfp4_csf_exceptions",
+    group=32,
+    scale_dtypes=("U8", "F8_E8M0"),
 )
 CODECS: dict[str, CsfCodec] = {c.name: c for c in (NVFP4_CSF, MXFP4_CSF)}
 
@@ -96,6 +107,15 @@ class CsfPlane:
 
     fixed: torch.Tensor  # uint8
     exceptions: torch.Tensor  # uint32, 1-D, sorted by position
+
+
+def nvfp4_plane_shape(fixed_shape: tuple[int, ...] | list[int]) -> tuple[int, int] | None:
+    """The ``[rows, cols]`` scale plane an NVFP4-CSF fixed stream of this shape codes, None if no
+    plane does (``fixed`` is ``[rows / 16, 16 * (1 + cols / 2)]``; MXFP4's 1-D stream does not
+    carry its shape)."""
+    if len(fixed_shape) != 2 or fixed_shape[1] % SLAB_ROWS or fixed_shape[1] < 2 * SLAB_ROWS:
+        return None
+    return int(fixed_shape[0]) * SLAB_ROWS, (int(fixed_shape[1]) // SLAB_ROWS - 1) * 2
 
 
 def check_geometry(codec: CsfCodec, rows: int, cols: int, what: str) -> None:
@@ -174,13 +194,16 @@ def encode(scales: torch.Tensor, codec: CsfCodec, what: str = "scales") -> CsfPl
 
 
 def exception_fields(exceptions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split uint32 words into (int64 positions, uint8 values)."""
-    words = exceptions.to(torch.int64)
+    """Split uint32 words into (int64 positions, uint8 values).
+
+    The words are widened through their int32 view: torch's uint32 supports few operations on
+    CUDA, a bit-preserving view and an int32 -> int64 conversion work everywhere."""
+    words = exceptions.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     return words & POSITION_MASK, (words >> POSITION_BITS).to(torch.uint8)
 
 
-def validate_plane(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> None:
-    """Check dtypes, sizes, base limits and exception positions; raise naming the tensor."""
+def check_plane_layout(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> None:
+    """The checks that need no tensor data: geometry, dtypes and shapes (raise naming the stream)."""
     check_geometry(codec, rows, cols, what)
     fixed, exceptions = plane.fixed, plane.exceptions
     fname, ename = what + codec.fixed_suffix, what + codec.exceptions_suffix
@@ -195,15 +218,21 @@ def validate_plane(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what:
             f"{fname}: shape {list(fixed.shape)} does not match {list(codec.fixed_shape(rows, cols))} "
             f"for a [{rows}, {cols}] scale matrix"
         )
-    bases = fixed.reshape(rows // SLAB_ROWS, -1)[:, :SLAB_ROWS].reshape(-1)
+
+
+def check_plane_values(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> None:
+    """Base limits and exception positions (inside the plane, strictly increasing), read where the
+    tensors are (any device); raise naming the stream. Assumes ``check_plane_layout`` passed."""
+    fname, ename = what + codec.fixed_suffix, what + codec.exceptions_suffix
+    bases = plane.fixed.reshape(rows // SLAB_ROWS, -1)[:, :SLAB_ROWS].reshape(-1)
     over = torch.nonzero(bases > codec.max_base)
     if over.numel():
         bad = int(over[0].item())
         raise CsfFormatError(
             f"{fname}: row {bad} has base {int(bases[bad].item())} above the {codec.name} limit {codec.max_base}"
         )
-    if exceptions.numel():
-        positions, _ = exception_fields(exceptions)
+    if plane.exceptions.numel():
+        positions, _ = exception_fields(plane.exceptions)
         last = int(positions.max().item())
         if last >= rows * cols:
             raise CsfFormatError(
@@ -211,6 +240,12 @@ def validate_plane(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what:
             )
         if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
             raise CsfFormatError(f"{ename}: exception positions are not strictly increasing")
+
+
+def validate_plane(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> None:
+    """Check dtypes, sizes, base limits and exception positions; raise naming the tensor."""
+    check_plane_layout(plane, codec, rows, cols, what)
+    check_plane_values(plane, codec, rows, cols, what)
 
 
 def decode(plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str = "scales") -> torch.Tensor:

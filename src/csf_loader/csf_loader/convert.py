@@ -32,7 +32,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -46,6 +45,24 @@ from typing import Any
 import torch
 
 from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, CsfFormatError, CsfPlane, decode, encode
+from csf_loader.layout import (
+    BUILD_CONTRACT,
+    INDEX,
+    MANIFEST,
+    MXFP4_RECEIPTS,
+    MXFP4_SCHEMA,
+    MXFP4_TENSORS,
+    NVFP4_RECEIPTS,
+    SOURCE_FILES,
+    experts_module,
+    is_mxfp4_container,
+    is_routed_expert,
+    layer_of,
+    logical_2d,
+    read_container,
+    read_receipts,
+    shard_names,
+)
 from csf_loader.preflight import check_source_scales
 from csf_loader.safetensors_io import (
     CheckpointError,
@@ -56,13 +73,6 @@ from csf_loader.safetensors_io import (
     write_shard,
 )
 
-MXFP4_SCHEMA = "lil-mxfp4-csf-checkpoint/1"
-NVFP4_RECEIPTS = "csf-receipts"
-MXFP4_RECEIPTS = "receipts"
-SOURCE_FILES = "source-files"  # inside the receipts folder: the source config.json / index
-INDEX = "model.safetensors.index.json"
-EXPERT_RE = re.compile(r"\.experts\.")
-LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 CHUNK = 16 * 1024 * 1024
 
 
@@ -104,8 +114,7 @@ def module_of(scale_name: str) -> str:
 
 def recipe_key(module: str) -> str:
     """Routed experts get one recipe for the whole ``...experts`` module, as published."""
-    m = re.match(r"^(.*\.experts)\.\d+\.[^.]+$", module)
-    return m.group(1) if m else module
+    return experts_module(module) or module
 
 
 def csf_quant_config(source: dict[str, Any], compressed_scales: list[str], all_scales: list[str]) -> dict[str, Any]:
@@ -142,42 +151,16 @@ def csf_quant_config(source: dict[str, Any], compressed_scales: list[str], all_s
 
 
 def is_target(entry: TensorEntry, codec: CsfCodec, scope: str) -> bool:
-    if scope == "experts" and (not EXPERT_RE.search(entry.name) or "shared_expert" in entry.name):
+    if scope == "experts" and not is_routed_expert(entry.name):
         return False
     if codec is NVFP4_CSF:
-        return entry.name.endswith(".weight_scale") and entry.dtype == "F8_E4M3" and len(entry.shape) == 2
+        return entry.name.endswith(".weight_scale") and entry.dtype in codec.scale_dtypes and len(entry.shape) == 2
     return (
         entry.name.endswith(("scale", "scales"))
-        and entry.dtype in ("U8", "F8_E8M0")
+        and entry.dtype in codec.scale_dtypes
         and len(entry.shape) >= 2
         and "input" not in entry.name.rsplit(".", 1)[-1]
     )
-
-
-def logical_2d(shape: tuple[int, ...]) -> tuple[int, int]:
-    """Leading dimensions fold into rows (a stacked [experts, rows, cols] plane)."""
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    return rows, shape[-1]
-
-
-def shard_names(src: Path) -> list[str]:
-    index = src / INDEX
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: corrupt index: {exc}") from None
-        names = sorted(set(weight_map.values()))
-        for n in names:
-            if Path(n).name != n or not (src / n).is_file():
-                raise CheckpointError(f"{index}: names shard {n}, which is missing from {src}")
-        return names
-    names = sorted(p.name for p in src.glob("*.safetensors"))
-    if not names:
-        raise CheckpointError(f"{src}: no safetensors shards")
-    return names
 
 
 # ----------------------------------------------------------------------------- atomic output
@@ -294,7 +277,7 @@ def encode_shard(
     with ShardReader(src) as reader:
         header = reader.header
         for entry in header.tensors.values():
-            if codec is NVFP4_CSF and entry.name.endswith(".weight_scale") and entry.dtype == "F8_E4M3":
+            if codec is NVFP4_CSF and entry.name.endswith(".weight_scale") and entry.dtype in codec.scale_dtypes:
                 all_scales.append(entry.name)
             if not is_target(entry, codec, scope):
                 items.append((entry.name, entry.dtype, entry.shape, entry.nbytes))
@@ -355,12 +338,12 @@ def encode_checkpoint(
     config = json.loads(config_path.read_text())
     codec = codec or detect_codec(config)
     shards = shard_names(src)
-    check_source_scales(src, shards, codec.family)  # headers only: dtypes, truncation, scale/weight fit
+    check_source_scales(src, shards, codec)  # headers only: dtypes, truncation, scale/weight fit
     progress = Progress("encode", sum((src / s).stat().st_size for s in shards), quiet=quiet)
     summary: dict[str, Any] = {"codec": codec.name, "shards": len(shards), "tensors": 0}
     with atomic_output_dir(dst, force) as tmp:
         mx = codec is MXFP4_CSF
-        tensor_dir = tmp / "tensors" if mx else tmp
+        tensor_dir = tmp / MXFP4_TENSORS if mx else tmp
         receipts_dir = tmp / (MXFP4_RECEIPTS if mx else NVFP4_RECEIPTS)
         tensor_dir.mkdir(exist_ok=True)
         (receipts_dir / SOURCE_FILES).mkdir(parents=True)
@@ -399,7 +382,7 @@ def encode_checkpoint(
                 "format_version": 1,
                 "source_quant_method": holder["quantization_config"].get("quant_method"),
             }
-            layers = sorted({int(m.group(1)) for n in compressed if (m := LAYER_RE.search(n))})
+            layers = sorted({layer for n in compressed if (layer := layer_of(n)) is not None})
             family = {
                 "name": str(config.get("model_type", "unknown")),
                 "compressed_layers": [layers[0], layers[-1] + 1] if layers else [0, 0],
@@ -409,10 +392,10 @@ def encode_checkpoint(
                 for n in shards
             ]
             common = {"schema": MXFP4_SCHEMA, "codec": codec.name, "family": family["name"]}
-            (tmp / "manifest.json").write_text(
+            (tmp / MANIFEST).write_text(
                 json.dumps({**common, "compressed_layers": family["compressed_layers"], "shards": shard_list}, indent=1)
             )
-            (tmp / "build-contract.json").write_text(
+            (tmp / BUILD_CONTRACT).write_text(
                 json.dumps(
                     {
                         **common,
@@ -452,16 +435,15 @@ def encode_checkpoint(
 # ----------------------------------------------------------------------------- decode / verify
 
 
-def csf_layout(root: Path) -> tuple[CsfCodec, Path, Path]:
-    """(codec, tensor folder, receipts folder) of a CSF checkpoint produced by encode."""
-    manifest = root / "manifest.json"
-    if manifest.exists():
-        data = json.loads(manifest.read_text())
-        if data.get("schema") != MXFP4_SCHEMA:
-            raise CheckpointError(f"{manifest}: schema {data.get('schema')!r}, expected {MXFP4_SCHEMA!r}")
-        return MXFP4_CSF, root / "tensors", root / MXFP4_RECEIPTS
+def csf_layout(root: Path) -> tuple[CsfCodec, Path, Path, list[str]]:
+    """(codec, tensor folder, receipts folder, shards) of a CSF checkpoint produced by encode.
+
+    An MXFP4-CSF container is checked as a loader checks it (``layout.read_container``)."""
+    if is_mxfp4_container(root):
+        container = read_container(root)
+        return MXFP4_CSF, container.tensor_dir, root / MXFP4_RECEIPTS, container.shards
     if (root / NVFP4_RECEIPTS).is_dir():
-        return NVFP4_CSF, root, root / NVFP4_RECEIPTS
+        return NVFP4_CSF, root, root / NVFP4_RECEIPTS, shard_names(root)
     raise CheckpointError(f"{root}: neither an MXFP4-CSF container nor an NVFP4-CSF checkpoint with receipts")
 
 
@@ -505,32 +487,10 @@ def rebuilt_source_chunks(csf_shard: Path, receipt: dict[str, Any], codec: CsfCo
             yield data
 
 
-def _receipts(receipts_dir: Path, shards: list[str]) -> dict[str, dict[str, Any]]:
-    out = {}
-    for name in shards:
-        path = receipts_dir / f"{name}.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: receipt for shard {name} is missing")
-        out[name] = json.loads(path.read_text())
-    return out
-
-
-def _csf_shards(root: Path, codec: CsfCodec, tensor_dir: Path) -> list[str]:
-    if codec is MXFP4_CSF:
-        manifest = json.loads((root / "manifest.json").read_text())
-        names = [s["file"] for s in manifest["shards"]]
-        for n in names:
-            if Path(n).name != n or not (tensor_dir / n).is_file():
-                raise CheckpointError(f"{root / 'manifest.json'}: names shard {n}, missing from {tensor_dir}")
-        return names
-    return shard_names(root)
-
-
 def decode_checkpoint(src: Path, dst: Path, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     src = src.resolve()
-    codec, tensor_dir, receipts_dir = csf_layout(src)
-    shards = _csf_shards(src, codec, tensor_dir)
-    receipts = _receipts(receipts_dir, shards)
+    codec, tensor_dir, receipts_dir, shards = csf_layout(src)
+    receipts = read_receipts(receipts_dir, shards)
     progress = Progress("decode", sum(r["source_bytes"] for r in receipts.values()), quiet=quiet)
     with atomic_output_dir(dst, force) as tmp:
         for name in shards:
@@ -542,7 +502,7 @@ def decode_checkpoint(src: Path, dst: Path, force: bool = False, quiet: bool = F
             if digest.hexdigest() != receipts[name]["source_sha256"]:
                 raise ConvertError(f"{tensor_dir / name}: rebuilt source shard does not match its receipt SHA-256")
             progress.advance(receipts[name]["source_bytes"], name, force=True)
-        skip = {INDEX, "manifest.json", "build-contract.json", "config.json"}
+        skip = {INDEX, MANIFEST, BUILD_CONTRACT, "config.json"}
         for path in sorted(src.iterdir()):
             if path.is_file() and path.name not in skip and not path.name.endswith(".safetensors"):
                 shutil.copy2(path, tmp / path.name)
@@ -554,13 +514,12 @@ def decode_checkpoint(src: Path, dst: Path, force: bool = False, quiet: bool = F
 def verify_checkpoint(src: Path, source: Path | None = None, quiet: bool = False) -> list[str]:
     """Return a list of problems (empty when every shard rebuilds to its receipt's SHA-256)."""
     src = src.resolve()
-    codec, tensor_dir, receipts_dir = csf_layout(src)
-    shards = _csf_shards(src, codec, tensor_dir)
-    receipts = _receipts(receipts_dir, shards)
+    codec, tensor_dir, receipts_dir, shards = csf_layout(src)
+    receipts = read_receipts(receipts_dir, shards)
     progress = Progress("verify", sum(r["source_bytes"] for r in receipts.values()), quiet=quiet)
     problems = []
     if codec is MXFP4_CSF:
-        manifest = json.loads((src / "manifest.json").read_text())
+        manifest = json.loads((src / MANIFEST).read_text())
         for item in manifest["shards"]:
             if "sha256" in item and _sha256_file(tensor_dir / item["file"]) != item["sha256"]:
                 problems.append(f"{tensor_dir / item['file']}: SHA-256 differs from manifest.json")

@@ -14,14 +14,11 @@ Only headers are read (a few kilobytes per shard).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS
+from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS, CsfCodec, nvfp4_plane_shape
+from csf_loader.layout import INDEX, MANIFEST, MXFP4_RECEIPTS, Container, logical_2d, read_index
 from csf_loader.safetensors_io import CheckpointError, ShardHeader, TensorEntry, read_header
-
-INDEX = "model.safetensors.index.json"
 
 
 def shard_headers(root: Path, shards: list[str], named_by: Path | None) -> dict[str, ShardHeader]:
@@ -66,11 +63,8 @@ def _check_weight_fits(
 def check_nvfp4_checkpoint(root: Path) -> None:
     """Standard NVFP4 or NVFP4-CSF checkpoint directory (index optional)."""
     index = root / INDEX
-    if index.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: unreadable index ({exc})") from None
+    weight_map = read_index(root)
+    if weight_map is not None:
         shards = sorted(set(weight_map.values()))
         headers = shard_headers(root, shards, index)
         for name, shard in weight_map.items():
@@ -86,35 +80,34 @@ def check_nvfp4_checkpoint(root: Path) -> None:
             base = name[: -len(fixed_sfx)]
             if base + exc_sfx not in entries:
                 raise CheckpointError(f"{where} has no partner {base}{exc_sfx}")
-            if entry.dtype != "U8" or len(entry.shape) != 2 or entry.shape[1] % SLAB_ROWS or entry.shape[1] < 32:
+            plane = nvfp4_plane_shape(entry.shape)
+            if entry.dtype != "U8" or plane is None:
                 raise CheckpointError(
                     f"{where}: {entry.dtype} {list(entry.shape)}; expected U8 [rows / 16, 16 * (1 + cols / 2)]"
                 )
-            rows, cols = entry.shape[0] * SLAB_ROWS, (entry.shape[1] // SLAB_ROWS - 1) * 2
-            _check_weight_fits(entries, root, base, (rows, cols), 8)
+            _check_weight_fits(entries, root, base, plane, NVFP4_CSF.weight_bytes_per_scale)
         elif name.endswith(exc_sfx):
             base = name[: -len(exc_sfx)]
             if base + fixed_sfx not in entries:
                 raise CheckpointError(f"{where} has no partner {base}{fixed_sfx}")
             if entry.dtype != "U32" or len(entry.shape) != 1:
                 raise CheckpointError(f"{where}: {entry.dtype} {list(entry.shape)}; expected 1-D U32 exception words")
-        elif name.endswith(".weight_scale") and entry.dtype == "F8_E4M3" and len(entry.shape) == 2:
-            _check_weight_fits(entries, root, name, tuple(entry.shape), 8)
+        elif name.endswith(".weight_scale") and entry.dtype in NVFP4_CSF.scale_dtypes and len(entry.shape) == 2:
+            _check_weight_fits(entries, root, name, tuple(entry.shape), NVFP4_CSF.weight_bytes_per_scale)
 
 
-def check_mxfp4_container(root: Path, shards: list[str], receipts: dict[str, Any]) -> None:
-    """Shards of a validated MXFP4-CSF container against their receipts."""
-    tensors = root / "tensors"
-    headers = shard_headers(tensors, shards, root / "manifest.json")
+def check_mxfp4_container(container: Container) -> None:
+    """Shards of a checked MXFP4-CSF container (``layout.read_container``) against their receipts."""
+    root, tensors = container.root, container.tensor_dir
+    headers = shard_headers(tensors, container.shards, root / MANIFEST)
     entries = _entries(headers)
     fixed_sfx, exc_sfx = MXFP4_CSF.fixed_suffix, MXFP4_CSF.exceptions_suffix
-    for shard in shards:
-        compressed: dict[str, Any] = receipts[shard].get("tensors", {})
-        for base, info in compressed.items():
+    for shard in container.shards:
+        for base, info in container.compressed(shard).items():
             where = f"{tensors / shard}: tensor {base}"
             shape = tuple(int(d) for d in info.get("shape", ()))
             if len(shape) < 2:
-                raise CheckpointError(f"{root / 'receipts' / (shard + '.json')}: {base}: bad shape {list(shape)}")
+                raise CheckpointError(f"{root / MXFP4_RECEIPTS / (shard + '.json')}: {base}: bad shape {list(shape)}")
             for sfx, dtype in ((fixed_sfx, "U8"), (exc_sfx, "U32")):
                 if base + sfx not in headers[shard].tensors:
                     raise CheckpointError(f"{where}{sfx} is missing (its receipt lists {base} as compressed)")
@@ -123,26 +116,23 @@ def check_mxfp4_container(root: Path, shards: list[str], receipts: dict[str, Any
                     raise CheckpointError(
                         f"{where}{sfx}: {entry.dtype} {list(entry.shape)}; expected a 1-D {dtype} stream"
                     )
-            rows = 1
-            for d in shape[:-1]:
-                rows *= d
+            rows, cols = logical_2d(shape)
             fixed = headers[shard].tensors[base + fixed_sfx]
             if rows % SLAB_ROWS:
                 raise CheckpointError(f"{where}: receipt shape {list(shape)} is not whole 16-row slabs")
-            if fixed.shape[0] != MXFP4_CSF.fixed_numel(rows, shape[-1]):
+            if fixed.shape[0] != MXFP4_CSF.fixed_numel(rows, cols):
                 raise CheckpointError(
                     f"{where}{fixed_sfx}: {fixed.shape[0]} bytes do not code the receipt's {list(shape)} scales "
-                    f"({MXFP4_CSF.fixed_numel(rows, shape[-1])} bytes)"
+                    f"({MXFP4_CSF.fixed_numel(rows, cols)} bytes)"
                 )
-            _check_weight_fits(entries, tensors, base, shape, 16)
+            _check_weight_fits(entries, tensors, base, shape, MXFP4_CSF.weight_bytes_per_scale)
 
 
-def check_source_scales(root: Path, shards: list[str], family: str) -> None:
+def check_source_scales(root: Path, shards: list[str], codec: CsfCodec) -> None:
     """A standard FP4 source for ``csf-convert encode``: every ``<m>.weight_scale`` next to a
     packed ``U8`` ``<m>.weight`` has the format's dtype and fits the weight."""
     entries = _entries(shard_headers(root, shards, None))
-    dtypes = ("F8_E4M3",) if family == "nvfp4" else ("U8", "F8_E8M0")
-    per_byte_cols = 8 if family == "nvfp4" else 16
+    dtypes, per_byte_cols, family = codec.scale_dtypes, codec.weight_bytes_per_scale, codec.family
     for name, (shard, entry) in entries.items():
         weight = name.removesuffix(".weight_scale") + ".weight"
         if not name.endswith(".weight_scale") or weight not in entries or entries[weight][1].dtype != "U8":

@@ -12,10 +12,13 @@ recipes are the published ones, with round-to-nearest E2M1:
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
+
+from csf_loader.layout import experts_module
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 E4M3_MAX = 448.0
@@ -25,7 +28,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Round float values to the nearest E2M1 code (sign bit 8, magnitude index 0..7)."""
     mag = x.abs().clamp(max=6.0)
     mids = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
-    index = torch.bucketize(mag, mids.to(mag.dtype))
+    index = torch.bucketize(mag, mids.to(mag))
     sign = (x < 0).to(torch.uint8) << 3
     return (index.to(torch.uint8) | sign) & 0xF
 
@@ -82,20 +85,38 @@ def quantize_mxfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def unquantized_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """ModelOpt's ``ignore`` list: every module with a 2-D floating ``weight`` left unquantized,
+    each layer's routed experts as one ``<layer>.mlp.experts*`` wildcard (as ModelOpt writes it)."""
+    names = set()
+    for name, t in tensors.items():
+        if name.endswith(".weight") and t.dim() == 2 and t.is_floating_point():
+            module = name.removesuffix(".weight")
+            experts = experts_module(module)
+            names.add(experts + "*" if experts else module)
+    return sorted(names)
+
+
 def quantize_checkpoint(
     src: Path,
     dst: Path,
     fmt: str,
     input_scale: float = 1.0 / 448.0,
     linear_suffixes: tuple[str, ...] = LINEAR_SUFFIXES,
+    skip: str | None = None,
+    device: str = "cpu",
 ) -> list[str]:
     """Quantize the decoder linears of a bf16 HF checkpoint directory; return their module names.
 
-    NVFP4 writes ModelOpt tensors (``weight``, ``weight_scale``, ``weight_scale_2``,
-    ``input_scale``) and ``quant_method: modelopt, quant_algo: NVFP4``; MXFP4 writes
-    ``weight`` (packed E2M1) and ``weight_scale`` (UE8M0 bytes) with
-    ``quant_method: mxfp4``. Embeddings, norms and lm_head stay in their dtype.
-    ``input_scale`` is a fixed calibration constant (there is no calibration data here).
+    A 2-D ``<module>.weight`` is quantized when the module's last name is in ``linear_suffixes``
+    and the module does not match the regular expression ``skip``. NVFP4 writes ModelOpt tensors
+    (``weight``, ``weight_scale``, ``weight_scale_2``, ``input_scale``) and ``quant_method:
+    modelopt, quant_algo: NVFP4`` with every module left unquantized in ``ignore``; MXFP4 writes
+    ``weight`` (packed E2M1) and ``weight_scale`` (UE8M0 bytes) with ``quant_method: mxfp4``.
+    Embeddings, norms and lm_head stay in their dtype. ``input_scale`` is a fixed calibration
+    constant (there is no calibration data here). ``device`` is where the arithmetic runs (a GPU
+    is faster for large checkpoints; its rounding of ``log2`` may differ from the CPU's, so a
+    checkpoint built on each need not be byte-identical).
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -104,21 +125,23 @@ def quantize_checkpoint(
     config = json.loads((src / "config.json").read_text())
     tensors: dict[str, torch.Tensor] = {}
     modules: list[str] = []
+    skipped = re.compile(skip) if skip else None
     for shard in sorted(src.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 t = f.get_tensor(name)
                 module = name.removesuffix(".weight")
-                if name.endswith(".weight") and module.rsplit(".", 1)[-1] in linear_suffixes and t.dim() == 2:
+                chosen = module.rsplit(".", 1)[-1] in linear_suffixes and not (skipped and skipped.search(module))
+                if name.endswith(".weight") and chosen and t.dim() == 2:
                     modules.append(module)
                     if fmt == "nvfp4":
-                        q = quantize_nvfp4(t)
+                        q = {k: v.cpu() for k, v in quantize_nvfp4(t.to(device)).items()}
                         tensors[name] = q["weight"]
                         tensors[module + ".weight_scale"] = q["weight_scale"]
                         tensors[module + ".weight_scale_2"] = q["weight_scale_2"].float()
                         tensors[module + ".input_scale"] = torch.tensor(input_scale, dtype=torch.float32)
                     elif fmt == "mxfp4":
-                        q = quantize_mxfp4(t)
+                        q = {k: v.cpu() for k, v in quantize_mxfp4(t.to(device)).items()}
                         tensors[name] = q["weight"]
                         tensors[module + ".weight_scale"] = q["scale"]
                     else:
@@ -132,7 +155,7 @@ def quantize_checkpoint(
             "quant_algo": "NVFP4",
             "group_size": 16,
             "kv_cache_quant_algo": None,
-            "ignore": ["lm_head"],  # config.json spelling (hf_quant_config.json says exclude_modules)
+            "ignore": unquantized_modules(tensors),  # config.json spelling (hf_quant_config.json: exclude_modules)
         }
     else:
         config["quantization_config"] = {"quant_method": "mxfp4", "group_size": 32}

@@ -3,11 +3,13 @@
 Imported only from ``register_with_vllm`` (it imports vLLM). The loader is stock's
 ``DefaultModelLoader``; the only change is its weight stream: every
 ``<name>.nvfp4_csf_fixed`` / ``<name>.nvfp4_csf_exceptions`` pair is decoded
-(``csf_loader.codec``, bit-exact, validated) into the plain E4M3 tensor ``<name>``
-the source checkpoint had, so the model's own ``load_weights`` and stock's NVFP4
-methods receive exactly the source bytes. For stock's parallel linear layers each rank
-decodes only its TP extent from the compressed payload (``tp_extent_resolver``). Stock's
-ModelOpt ``MIXED_PRECISION`` config reads the CSF ``config.json`` unchanged (it
+(bit-exact, validated) into the plain E4M3 tensor ``<name>`` the source checkpoint had, so
+the model's own ``load_weights`` and stock's NVFP4 methods receive exactly the source bytes.
+The decode runs where the model's parameters are (``device_decode.PlaneDecoder``): on CUDA the
+compressed streams go to the GPU and the Triton kernel decodes them there, as each tensor
+streams in; on CPU the torch codec decodes on the host, and for stock's parallel linear layers
+each rank decodes only its TP extent from the compressed payload (``tp_extent_resolver``).
+Stock's ModelOpt ``MIXED_PRECISION`` config reads the CSF ``config.json`` unchanged (it
 ignores ``weight_scale_encoding``).
 
 Startup checks (each error names the tensor, and the shard when known):
@@ -15,7 +17,8 @@ Startup checks (each error names the tensor, and the shard when known):
   with wrong dtypes / shapes / no partner, scales that do not fit their weights
   (``preflight``);
 * a stream without its partner, a base above 240, an exception outside the plane,
-  wrong dtypes / shapes (codec validation);
+  wrong dtypes / shapes (codec validation, the same checks and messages on the GPU);
+* the GPU running out of memory while decoding (naming the tensor and the bytes needed);
 * missing parameters (weights tracking on by default, also for quantized models);
   unexpected tensors are refused by the model's own ``AutoWeightsLoader``;
 * expert parallelism (the TP-sliced scale planes assume every rank holds every
@@ -27,11 +30,8 @@ Startup checks (each error names the tensor, and the shard when known):
 from __future__ import annotations
 
 import copy
-import json
-import logging
-import re
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -41,106 +41,21 @@ from vllm.config import ModelConfig
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, SLAB_ROWS, CsfFormatError, CsfPlane, decode, decode_region
-from csf_loader.preflight import check_mxfp4_container, check_nvfp4_checkpoint
-from csf_loader.safetensors_io import CheckpointError
-
-logger = logging.getLogger("vllm.plugins.csf_loader")
+from csf_loader.codec import SLAB_ROWS
+from csf_loader.device_decode import DecodeConfigError, PlaneDecoder
+from csf_loader.layout import is_mxfp4_container
+from csf_loader.stream import (
+    CsfLoadError,
+    Extent,
+    csf_planes,
+    decode_csf_stream,
+    mxfp4_container_stream,
+    preflight,
+    read_mxfp4_contract,
+    shard_index,
+)
 
 LOAD_FORMAT = "csf"
-FIXED, EXCEPTIONS = NVFP4_CSF.fixed_suffix, NVFP4_CSF.exceptions_suffix
-
-
-class CsfLoadError(ValueError):
-    """A CSF checkpoint cannot be loaded; the message names the tensor and file."""
-
-
-def nvfp4_logical_shape(fixed: torch.Tensor, where: str) -> tuple[int, int]:
-    if fixed.dim() != 2 or fixed.shape[1] % SLAB_ROWS or fixed.shape[1] < 2 * SLAB_ROWS:
-        raise CsfLoadError(f"{where}{FIXED}: shape {list(fixed.shape)} is not [rows / 16, 16 * (1 + cols / 2)]")
-    return fixed.shape[0] * SLAB_ROWS, (fixed.shape[1] // SLAB_ROWS - 1) * 2
-
-
-Extent = tuple[tuple[int, int], tuple[int, int]]
-
-
-def decode_csf_stream(
-    weights: Iterable[tuple[str, torch.Tensor]],
-    shard_of: dict[str, str] | None = None,
-    extent_of: Callable[[str, int, int], Extent | None] | None = None,
-) -> Generator[tuple[str, torch.Tensor], None, None]:
-    """Replace every NVFP4-CSF pair in a weight stream by its decoded E4M3 tensor.
-
-    With ``extent_of(name, rows, cols)`` returning this rank's ``((r0, r1), (c0, c1))``,
-    only that region is decoded from the compressed payload (the slabs and code bytes it
-    covers); it is placed in a full-shape tensor whose other bytes stock's weight loader
-    never reads, since it narrows to exactly that region.
-    """
-    shard_of = shard_of or {}
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    planes = 0
-    partial = 0
-    seconds = 0.0
-    decoded_bytes = 0
-    for name, tensor in weights:
-        suffix = FIXED if name.endswith(FIXED) else EXCEPTIONS if name.endswith(EXCEPTIONS) else None
-        if suffix is None:
-            yield name, tensor
-            continue
-        base = name[: -len(suffix)]
-        parts = pending.setdefault(base, {})
-        parts[suffix] = tensor
-        if len(parts) < 2:
-            continue
-        del pending[base]
-        where = f"{shard_of.get(name, '?')}: {base}"
-        started = time.perf_counter()
-        rows, cols = nvfp4_logical_shape(parts[FIXED], where)
-        plane = CsfPlane(parts[FIXED], parts[EXCEPTIONS])
-        extent = extent_of(base, rows, cols) if extent_of is not None else None
-        try:
-            if extent is None or extent == ((0, rows), (0, cols)):
-                scales = decode(plane, NVFP4_CSF, rows, cols, what=where)
-            else:
-                (r0, r1), (c0, c1) = extent
-                partial += 1
-                scales = torch.empty(rows, cols, dtype=torch.uint8)
-                scales[r0:r1, c0:c1] = decode_region(plane, NVFP4_CSF, rows, cols, (r0, r1), (c0, c1), what=where)
-        except CsfFormatError as exc:
-            raise CsfLoadError(str(exc)) from None
-        seconds += time.perf_counter() - started
-        planes += 1
-        decoded_bytes += scales.numel()
-        yield base, scales.view(torch.float8_e4m3fn)
-    if pending:
-        base, parts = next(iter(pending.items()))
-        present = next(iter(parts))
-        missing = FIXED if present == EXCEPTIONS else EXCEPTIONS
-        raise CsfLoadError(
-            f"{shard_of.get(base + present, '?')}: {base}{present} has no partner {base}{missing} "
-            f"({len(pending)} unpaired CSF stream(s))"
-        )
-    if planes:
-        logger.info(
-            "csf_loader: decoded %d NVFP4-CSF scale planes (%d of them only this rank's TP extent, %.1f MB) in %.3f s",
-            planes,
-            partial,
-            decoded_bytes / 1e6,
-            seconds,
-        )
-
-
-def shard_index(model_dir: str) -> dict[str, str]:
-    index = Path(model_dir) / "model.safetensors.index.json"
-    if not index.is_file():
-        return {}
-    weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
-    return weight_map
-
-
-def csf_planes(model_dir: str) -> dict[str, str]:
-    """Scale names stored as CSF pairs (from the index), with their shard."""
-    return {n[: -len(FIXED)]: s for n, s in shard_index(model_dir).items() if n.endswith(FIXED)}
 
 
 def check_parallel_config() -> None:
@@ -181,124 +96,6 @@ def check_tp_geometry(model: nn.Module, planes: dict[str, str], tp_size: int) ->
                 f"csf_loader: TP={tp_size} gives {layer} {cols * 16} input channels per rank; NVFP4-CSF needs "
                 f"a multiple of 32 per rank (whole bytes of two 4-bit codes). Use a TP size that divides it."
             )
-
-
-MXFP4_SCHEMA = "lil-mxfp4-csf-checkpoint/1"
-LAYER_PATTERN = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def is_mxfp4_container(model_dir: str) -> bool:
-    return (Path(model_dir) / "manifest.json").is_file()
-
-
-def read_mxfp4_contract(root: Path) -> dict[str, Any]:
-    """Validate manifest.json / build-contract.json / receipts of an MXFP4-CSF container.
-
-    Returns {"shards": [...], "receipts": {shard: receipt}, "layers": (first, end)}.
-    """
-    docs = {}
-    for doc in ("manifest.json", "build-contract.json"):
-        path = root / doc
-        if not path.is_file():
-            raise CsfLoadError(f"{path}: missing from the MXFP4-CSF container")
-        docs[doc] = json.loads(path.read_text())
-    manifest, contract = docs["manifest.json"], docs["build-contract.json"]
-    for key, expected in (("schema", MXFP4_SCHEMA), ("codec", MXFP4_CSF.name)):
-        for doc, data in docs.items():
-            if data.get(key) != expected:
-                raise CsfLoadError(f"{root / doc}: {key} {data.get(key)!r}; this reader accepts only {expected!r}")
-    if manifest.get("family") != contract.get("family") or not manifest.get("family"):
-        raise CsfLoadError(f"{root}: manifest.json and build-contract.json must name the same model family")
-    layers = manifest.get("compressed_layers")
-    if layers != contract.get("compressed_layers") or not isinstance(layers, list) or len(layers) != 2:
-        raise CsfLoadError(f"{root}: the family's compressed layer range differs between manifest and contract")
-    shards = [item["file"] for item in manifest.get("shards", [])]
-    receipts = {}
-    for name in shards:
-        if Path(name).name != name or not name.endswith(".safetensors"):
-            raise CsfLoadError(f"{root / 'manifest.json'}: shard name {name!r} is not a local safetensors file")
-        if not (root / "tensors" / name).is_file():
-            raise CsfLoadError(f"{root / 'manifest.json'}: names shard {name}, missing from {root / 'tensors'}")
-        receipt = root / "receipts" / f"{name}.json"
-        if not receipt.is_file():
-            raise CsfLoadError(f"{receipt}: receipt for shard {name} is missing")
-        receipts[name] = json.loads(receipt.read_text())
-    if set(contract.get("source_names", {}).values()) - set(shards):
-        raise CsfLoadError(f"{root}: build-contract.json maps tensors to shards the manifest does not list")
-    first, end = int(layers[0]), int(layers[1])
-    for name, receipt in receipts.items():
-        for tensor in receipt.get("tensors", {}):
-            m = LAYER_PATTERN.search(tensor)
-            if m is None or not first <= int(m.group(1)) < end:
-                raise CsfLoadError(
-                    f"{root / 'tensors' / name}: compressed tensor {tensor} lies outside the family's compressed "
-                    f"layer range [{first}, {end})"
-                )
-    return {"shards": shards, "receipts": receipts, "layers": (first, end)}
-
-
-def mxfp4_container_stream(root: Path) -> Generator[tuple[str, torch.Tensor], None, None]:
-    """Source-named tensors of an MXFP4-CSF container, compressed scales decoded."""
-    from safetensors import safe_open
-
-    contract = read_mxfp4_contract(root)
-    fixed_sfx, exc_sfx = MXFP4_CSF.fixed_suffix, MXFP4_CSF.exceptions_suffix
-    for shard in contract["shards"]:
-        path = root / "tensors" / shard
-        compressed: dict[str, Any] = contract["receipts"][shard].get("tensors", {})
-        with safe_open(str(path), "pt") as f:
-            names = list(f.keys())
-            present = set(names)
-            for name in names:
-                if name.endswith(exc_sfx):
-                    continue
-                if not name.endswith(fixed_sfx):
-                    if name in compressed:
-                        raise CsfLoadError(f"{path}: {name} is stored uncompressed but its receipt says compressed")
-                    yield name, f.get_tensor(name)
-                    continue
-                base = name[: -len(fixed_sfx)]
-                if base + exc_sfx not in present:
-                    raise CsfLoadError(f"{path}: {name} has no partner {base}{exc_sfx}")
-                if base not in compressed:
-                    raise CsfLoadError(f"{path}: {base} is compressed but has no receipt entry (shape unknown)")
-                shape = tuple(compressed[base]["shape"])
-                rows = 1
-                for d in shape[:-1]:
-                    rows *= d
-                plane = CsfPlane(f.get_tensor(name), f.get_tensor(base + exc_sfx))
-                try:
-                    scales = decode(plane, MXFP4_CSF, rows, shape[-1], what=f"{path}: {base}")
-                except CsfFormatError as exc:
-                    raise CsfLoadError(str(exc)) from None
-                out = scales.reshape(shape)
-                if compressed[base].get("dtype") == "F8_E8M0":
-                    out = out.view(torch.float8_e8m0fnu)
-                yield base, out
-            for name in present:
-                if name.endswith(exc_sfx) and name[: -len(exc_sfx)] + fixed_sfx not in present:
-                    raise CsfLoadError(f"{path}: {name} has no partner {name[: -len(exc_sfx)]}{fixed_sfx}")
-
-
-def preflight(model: str) -> None:
-    """Check a local checkpoint's files (headers only) before stock reads any tensor.
-
-    Missing or truncated shards, corrupt headers, CSF streams with the wrong dtype, shape
-    or no partner, and scales that do not fit their weights fail here, naming the file and
-    tensor (``csf_loader.preflight``). A hub model id is resolved by stock later; its
-    files get the checks of the weight stream only.
-    """
-    root = Path(model)
-    if not root.is_dir():
-        return
-    try:
-        if is_mxfp4_container(model):
-            contract = read_mxfp4_contract(root)
-            check_mxfp4_container(root, contract["shards"], contract["receipts"])
-        else:
-            check_nvfp4_checkpoint(root)
-    except CheckpointError as exc:
-        raise CsfLoadError(str(exc)) from None
 
 
 def tp_extent_resolver(model: nn.Module) -> Callable[[str, int, int], Extent | None]:
@@ -377,15 +174,28 @@ class CsfModelLoader(DefaultModelLoader):
         if self.enable_weights_track is None:
             self.enable_weights_track = True
 
+    def decoder_for(self, model: nn.Module) -> PlaneDecoder:
+        """The plane decoder for this model: on the device its parameters live on."""
+        device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        try:
+            return PlaneDecoder(device)
+        except DecodeConfigError as exc:
+            raise CsfLoadError(f"csf_loader: {exc}") from None
+
     def get_all_weights(
         self, model_config: ModelConfig, model: nn.Module
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        decoder = self.decoder_for(model)
         if is_mxfp4_container(model_config.model):
-            yield from mxfp4_container_stream(Path(model_config.model))
+            # Stock starts its "Loading weights took" timer in its own weight iterator, which a
+            # container bypasses; without this the log reports the seconds since boot.
+            if self.counter_before_loading_weights == 0.0:
+                self.counter_before_loading_weights = time.perf_counter()
+            yield from mxfp4_container_stream(Path(model_config.model), decoder)
             return
         shard_of = shard_index(model_config.model)
         extent_of = tp_extent_resolver(model)
-        yield from decode_csf_stream(super().get_all_weights(model_config, model), shard_of, extent_of)
+        yield from decode_csf_stream(super().get_all_weights(model_config, model), shard_of, extent_of, decoder)
 
     def download_model(self, model_config: ModelConfig) -> None:
         if is_mxfp4_container(model_config.model):
@@ -397,6 +207,7 @@ class CsfModelLoader(DefaultModelLoader):
         from vllm.distributed import get_tensor_model_parallel_world_size
 
         check_parallel_config()
+        self.decoder_for(model)  # a bad CSF_LOADER_DECODE fails before any tensor is read
         preflight(model_config.model)
         planes = csf_planes(model_config.model)
         check_tp_geometry(model, planes, get_tensor_model_parallel_world_size())

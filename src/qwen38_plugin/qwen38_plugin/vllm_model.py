@@ -76,6 +76,7 @@ _WEIGHTS_MAPPER = WeightsMapper(
     },
 )
 _PLE_SHARD = ".ple_embedding.ngram_embedding.shard_"
+_PLE_SCALE = ".ple_embedding.ngram_embedding.weight_scale"
 
 
 def check_vllm_config(vllm_config: VllmConfig) -> None:
@@ -253,18 +254,21 @@ class PortableQwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMa
             for i, layer in enumerate(self.model.decoder_layers())
             if layer.ple is not None
         }
-        loaded_tables: set[str] = set()
 
         def checkpoint_tensors() -> Iterable[tuple[str, torch.Tensor]]:
             # The PLE tables may live in host memory, outside the module's parameters: their
             # shards are copied in here, every other tensor goes through vLLM's loader.
             for name, tensor in weights:
-                mapped = _WEIGHTS_MAPPER.map_name(name) if _PLE_SHARD in name else None
-                if mapped is not None:
+                mapped = _WEIGHTS_MAPPER.map_name(name) if _PLE_SHARD in name or name.endswith(_PLE_SCALE) else None
+                if mapped is not None and mapped.endswith(_PLE_SCALE):
+                    owner = mapped.removesuffix(".ngram_embedding.weight_scale")
+                    if owner in tables:
+                        tables[owner].load_scale(tensor)
+                        continue
+                elif mapped is not None:
                     owner, _, rest = mapped.partition(".ngram_embedding.shard_")
                     if owner in tables:
                         tables[owner].load_shard(int(rest.split(".")[0]), tensor)
-                        loaded_tables.add(owner)
                         continue
                 yield name, tensor
 
@@ -272,26 +276,26 @@ class PortableQwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMa
         loaded = loader.load_weights(checkpoint_tensors(), mapper=_WEIGHTS_MAPPER)
         host_bytes = 0
         for owner, table in tables.items():
-            if owner not in loaded_tables:
-                raise ValueError(f"Qwen4Exp checkpoint has no shards of the PLE table {owner}.ngram_embedding")
-            host_bytes += table.finish_loading()
+            host_bytes += table.finish_loading()  # names a table without shards, or an FP8 one without scale
             if table.placement == "device":
                 loaded.add(f"{owner}.weight")
             # Derived from the config when the checkpoint leaves them out (transformers rebuilds them).
             loaded |= {f"{owner}.ngram_heads_vocab_sizes", f"{owner}.ngram_heads_offsets"}
-        _log_memory(self, host_bytes)
+        _log_memory(self, host_bytes, sorted({str(t.dtype).removeprefix("torch.") for t in tables.values()}))
         return loaded
 
 
-def _log_memory(model: nn.Module, ple_host_bytes: int) -> None:
-    """One startup line: the weights' bytes per device, and the PLE tables' in host memory."""
+def _log_memory(model: nn.Module, ple_host_bytes: int, ple_dtypes: list[str]) -> None:
+    """One startup line: the weights' bytes per device, the PLE tables' in host memory and their
+    dtypes (the checkpoint's)."""
     per_device: dict[str, int] = {}
     for param in model.parameters():
         per_device[param.device.type] = per_device.get(param.device.type, 0) + param.numel() * param.element_size()
     where = ", ".join(f"{size / 2**20:.1f} MiB on {device}" for device, size in sorted(per_device.items()))
     logger.info(
         "portable Qwen4Exp weights: %s; PLE tables: %.1f MiB in host memory (one copy for this node's "
-        "tensor-parallel ranks)",
+        "tensor-parallel ranks), stored as %s (the checkpoint's dtype)",
         where,
         ple_host_bytes / 2**20,
+        ", ".join(ple_dtypes) or "-",
     )

@@ -89,11 +89,22 @@ class SharedHostTable:
             os.unlink(self.path)
 
 
+# The dtypes a PLE table may be stored in (K15: taken from the checkpoint, whatever --dtype says).
+# float8_e4m3fn tables carry one global scale per table, ``ngram_embedding.weight_scale``, as in
+# stock's Qwen4ExpPLEFp8EmbeddingMethod: a row is ``fp8.to(dtype) * scale``.
+TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
 class NGramTable(nn.Module):
     """One PLE layer's n-gram embedding table ``[rows, E / heads]`` and its lookup.
 
     The checkpoint stores it in ``split_ngram_parts`` shards (``ngram_embedding.shard_{i}.weight``),
-    loaded in order into consecutive rows.
+    loaded in order into consecutive rows. The table keeps the checkpoint's dtype (row K15 of the
+    stock matrix: stock resolves the PLE storage dtype from the checkpoint), not the model's: it is
+    allocated when the first shard arrives, in that shard's dtype, and each looked-up row is
+    converted to the model's dtype (``PortablePLE.embed``). A float8_e4m3fn table is dequantized
+    with its global scale. A config's ``ple_embedding_dtype`` that disagrees with the shards, shards
+    of different dtypes, or an FP8 table without its scale fail at startup, naming the tensor.
     """
 
     def __init__(self, vllm_config: VllmConfig, config: Any, ple_layer_index: int, prefix: str) -> None:
@@ -102,7 +113,10 @@ class NGramTable(nn.Module):
         sizes = ngram_head_sizes(config, ple_layer_index)
         self.rows = ple.table_rows(sizes, config.make_ngram_vocab_size_divisible_by)
         self.dim = config.ple_embed_dim // heads
-        self.dtype = model_dtype(vllm_config)
+        self.name = f"{prefix}.ngram_embedding"
+        self.compute_dtype = model_dtype(vllm_config)
+        self.declared_dtype: str | None = getattr(config, "ple_embedding_dtype", None)
+        self.dtype: torch.dtype | None = None  # the checkpoint's, set by the first shard
         self.placement = table_placement()
         self.layer_multipliers = nn.Parameter(torch.zeros(config.ngram_size, dtype=torch.long), requires_grad=False)
         self.ngram_heads_vocab_sizes = nn.Parameter(torch.tensor(sizes, dtype=torch.long), requires_grad=False)
@@ -110,29 +124,69 @@ class NGramTable(nn.Module):
             torch.tensor([0, *sizes[:-1]], dtype=torch.long).cumsum(0), requires_grad=False
         )
         self._shared: SharedHostTable | None = None
+        self._shared_key = hashlib.sha256(f"{vllm_config.instance_id}/{prefix}".encode()).hexdigest()[:24]
         if self.placement == "device":
-            self.weight = nn.Parameter(torch.empty(self.rows, self.dim, dtype=self.dtype), requires_grad=False)
-            self._host: torch.Tensor | None = None
-        else:
-            key = hashlib.sha256(f"{vllm_config.instance_id}/{prefix}".encode()).hexdigest()[:24]
-            self._shared = SharedHostTable(key, self.rows, self.dim, self.dtype)
-            self._host = self._shared.tensor
+            # Placeholder on the model's device; the rows arrive with the checkpoint's dtype.
+            self.weight = nn.Parameter(torch.empty(0, self.dim, dtype=self.compute_dtype), requires_grad=False)
+        self._host: torch.Tensor | None = None
+        self._scale: torch.Tensor | None = None  # FP8 tables: the global scale, on the lookup device
         self._view: torch.Tensor | None = None  # what the lookup reads (set by `finish_loading`)
+
+    def _allocate(self, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """The table's storage in the checkpoint's ``dtype`` (first shard); later shards must match."""
+        if self.dtype is None:
+            if dtype not in TABLE_DTYPES:
+                raise ValueError(
+                    f"{what}: a PLE table stored as {dtype} is not supported; store it as one of "
+                    f"{', '.join(str(d).removeprefix('torch.') for d in TABLE_DTYPES)}"
+                )
+            declared = self.declared_dtype
+            if declared and declared.removeprefix("torch.") != str(dtype).removeprefix("torch."):
+                raise ValueError(
+                    f"{what}: config ple_embedding_dtype is {declared!r} but the checkpoint stores the table as "
+                    f"{str(dtype).removeprefix('torch.')}; fix the config or the checkpoint"
+                )
+            self.dtype = dtype
+            if self.placement == "device":
+                self.weight.data = torch.empty(self.rows, self.dim, dtype=dtype, device=self.weight.device)
+            else:
+                self._shared = SharedHostTable(self._shared_key, self.rows, self.dim, dtype)
+                self._host = self._shared.tensor
+        elif dtype != self.dtype:
+            raise ValueError(f"{what}: stored as {dtype}, the table's other shards as {self.dtype}")
+        return self.weight.data if self._host is None else self._host
 
     def load_shard(self, index: int, shard: torch.Tensor) -> None:
         """Copy checkpoint shard ``index`` into its rows (shards are equal slices of the table)."""
+        what = f"{self.name}.shard_{index}.weight"
         start = index * shard.shape[0]
-        if shard.shape[1] != self.dim or start >= self.rows:
+        if shard.dim() != 2 or shard.shape[1] != self.dim or start >= self.rows:
             raise ValueError(
-                f"PLE table shard {index} has shape {list(shard.shape)}; the config implies {self.rows} rows of "
+                f"{what}: shape {list(shard.shape)}; the config implies {self.rows} rows of "
                 f"{self.dim} (check ple_embed_dim, heads_per_ngram, ngram_size and split_ngram_parts)"
             )
+        target = self._allocate(shard.dtype, what)
         rows = min(shard.shape[0], self.rows - start)
-        target = self.weight.data if self._host is None else self._host
-        target[start : start + rows].copy_(shard[:rows].to(self.dtype))
+        target[start : start + rows].copy_(shard[:rows])
+
+    def load_scale(self, scale: torch.Tensor) -> None:
+        """The FP8 table's global scale (``ngram_embedding.weight_scale``, one value)."""
+        if scale.numel() != 1:
+            raise ValueError(f"{self.name}.weight_scale: shape {list(scale.shape)}, expected one value")
+        self._scale = scale.reshape(()).to(torch.float32)
 
     def finish_loading(self) -> int:
         """After the weights are in: make the table readable by the device. Returns host bytes held."""
+        if self.dtype is None:
+            raise ValueError(f"Qwen4Exp checkpoint has no shards of the PLE table {self.name}")
+        if self.dtype == torch.float8_e4m3fn and self._scale is None:
+            raise ValueError(
+                f"{self.name}: the table is stored as float8_e4m3fn but the checkpoint has no {self.name}.weight_scale"
+            )
+        if self.dtype != torch.float8_e4m3fn and self._scale is not None:
+            raise ValueError(f"{self.name}.weight_scale: unexpected, the table is stored as {self.dtype}")
+        if self._scale is not None:
+            self._scale = self._scale.to(self.layer_multipliers.device)
         if self._host is None:
             self._view = self.weight.data
             return 0
@@ -159,9 +213,13 @@ class NGramTable(nn.Module):
         return host.numel() * host.element_size()
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        """Embeddings ``[..., E / heads]`` (on ``rows.device``) of table rows ``[...]``."""
+        """Embeddings ``[..., E / heads]`` (on ``rows.device``) of table rows ``[...]``, in the table's
+        dtype (FP8 tables dequantized to the model's dtype with their scale)."""
         assert self._view is not None, "PLE table read before finish_loading"
-        return nn.functional.embedding(rows, self._view)
+        found = nn.functional.embedding(rows, self._view)
+        if self._scale is None:
+            return found
+        return found.to(self.compute_dtype) * self._scale.to(self.compute_dtype)
 
 
 class GroupedNorm(nn.Module):

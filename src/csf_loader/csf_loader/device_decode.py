@@ -1,0 +1,167 @@
+"""Decode CSF scale planes where the weights go (no vLLM import).
+
+One dispatcher for the ``csf`` load format's weight stream, picked by the device the model's
+parameters live on:
+
+* CUDA: the compressed streams (fixed bytes and exception words) are copied to the device, checked
+  there (``codec.validate_plane``: the same checks and messages as on the CPU) and decoded by the
+  Triton kernel (``triton_decode``) into a device tensor. The decoded planes never exist in host
+  memory; what crosses PCIe is the compressed payload.
+* CPU (and anything else): the plain-torch codec on the host, optionally only a tensor-parallel
+  rank's region of the plane (``codec.decode_region``).
+
+``CSF_LOADER_DECODE`` overrides the choice: ``auto`` (the rule above), ``torch`` (the torch codec on
+whatever device the parameters are on) or ``triton`` (the Triton kernel on any device, e.g. on
+CPU tensors under ``TRITON_INTERPRET=1``, which is how the CPU tests drive the device path).
+An out-of-memory error on the device names the tensor and the bytes it needed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from csf_loader.codec import CsfCodec, CsfFormatError, CsfPlane, check_plane_layout, check_plane_values, decode_region
+from csf_loader.triton_decode import HAVE_TRITON, decode_triton
+
+ENV = "CSF_LOADER_DECODE"
+KERNELS = ("auto", "torch", "triton")
+
+Region = tuple[tuple[int, int], tuple[int, int]]
+
+
+class DecodeConfigError(ValueError):
+    """``CSF_LOADER_DECODE`` names no decoder, or one this environment cannot run."""
+
+
+class DeviceMemoryError(RuntimeError):
+    """The device ran out of memory decoding a plane; the message names it and the bytes needed."""
+
+
+def kernel_for(device: torch.device, requested: str | None = None) -> str:
+    """The kernel, "triton" or "torch", for planes decoded onto ``device``: ``requested`` (else
+    ``CSF_LOADER_DECODE``) "auto" picks Triton on CUDA (where triton is installed), torch elsewhere."""
+    choice = (requested if requested is not None else os.environ.get(ENV, "auto")).strip() or "auto"
+    if choice not in KERNELS:
+        raise DecodeConfigError(
+            f"{ENV}={choice!r}: use auto (the Triton kernel on CUDA, the torch codec elsewhere), torch or triton"
+        )
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and HAVE_TRITON else "torch"
+    if choice == "triton" and not HAVE_TRITON:
+        raise DecodeConfigError(f"{ENV}=triton: triton is not installed; install it or use {ENV}=torch")
+    return choice
+
+
+def _device_empty(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The decoded plane's buffer (one place, so tests can make it fail)."""
+    return torch.empty(shape, dtype=torch.uint8, device=device)
+
+
+@dataclass
+class PlaneDecoder:
+    """Decodes every plane of a weight stream onto ``device`` with the kernel chosen for it.
+
+    Keeps counts for the loader's log line: planes, those decoded over a region only, decoded
+    bytes, seconds (host wall time, device copies and checks included).
+    """
+
+    device: torch.device
+    kernel: str = field(default="")
+    planes: int = 0
+    partial: int = 0
+    decoded_bytes: int = 0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        self.kernel = kernel_for(self.device, self.kernel or None)
+
+    @property
+    def on_host(self) -> bool:
+        return self.device.type == "cpu" and self.kernel == "torch"
+
+    def describe(self) -> str:
+        kernel = "the Triton kernel" if self.kernel == "triton" else "the torch codec"
+        return f"on {self.device} with {kernel}"
+
+    def decode(
+        self, plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str, region: Region | None = None
+    ) -> torch.Tensor:
+        """The ``[rows, cols]`` uint8 scale plane on ``self.device``.
+
+        With ``region`` (the torch codec only) only ``scales[r0:r1, c0:c1]`` is decoded from the
+        compressed payload; the other bytes of the returned full-shape tensor are undefined (a
+        tensor-parallel rank's weight loader reads exactly its region). The Triton kernel always
+        decodes the whole plane (microseconds on the device). Errors name ``what``.
+        """
+        started = time.perf_counter()
+        if self.kernel == "triton" or region == ((0, rows), (0, cols)):
+            region = None
+        try:
+            if self.kernel == "triton":
+                scales = self._decode_triton(plane, codec, rows, cols, what)
+            else:
+                scales = self._decode_torch(plane, codec, rows, cols, what, region)
+        finally:
+            self.seconds += time.perf_counter() - started
+        self.planes += 1
+        self.partial += region is not None
+        self.decoded_bytes += scales.numel()
+        return scales
+
+    def _checked_on_device(self, plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> CsfPlane:
+        """The plane checked (``codec.validate_plane``'s checks and messages) and on the device:
+        dtypes and shapes before anything is copied, the values where the bytes are."""
+        check_plane_layout(plane, codec, rows, cols, what)
+        if plane.fixed.device != self.device or plane.exceptions.device != self.device:
+            plane = CsfPlane(plane.fixed.to(self.device), plane.exceptions.to(self.device))
+        check_plane_values(plane, codec, rows, cols, what)
+        return plane
+
+    def _decode_triton(self, plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> torch.Tensor:
+        try:
+            on_device = self._checked_on_device(plane, codec, rows, cols, what)
+            out = _device_empty((rows, cols), self.device)
+            return decode_triton(on_device, codec, rows, cols, out=out, validate=False, what=what)
+        except torch.OutOfMemoryError:
+            raise DeviceMemoryError(self._oom_message(plane, rows, cols, what)) from None
+
+    def _decode_torch(
+        self, plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str, region: Region | None
+    ) -> torch.Tensor:
+        try:
+            on_device = self._checked_on_device(plane, codec, rows, cols, what)
+            if region is None:
+                return decode_region(on_device, codec, rows, cols, (0, rows), (0, cols), validate=False, what=what)
+            (r0, r1), (c0, c1) = region
+            scales = _device_empty((rows, cols), self.device)
+            scales[r0:r1, c0:c1] = decode_region(
+                on_device, codec, rows, cols, (r0, r1), (c0, c1), validate=False, what=what
+            )
+            return scales
+        except torch.OutOfMemoryError:
+            raise DeviceMemoryError(self._oom_message(plane, rows, cols, what)) from None
+
+    def _oom_message(self, plane: CsfPlane, rows: int, cols: int, what: str) -> str:
+        fixed, words = plane.fixed.numel(), 4 * plane.exceptions.numel()
+        needed = fixed + words + rows * cols
+        free = ""
+        if self.device.type == "cuda":
+            try:
+                available, total = torch.cuda.mem_get_info(self.device)
+                free = f"; {available:,} of {total:,} bytes free on {self.device}"
+            except RuntimeError:  # pragma: no cover - the device is gone
+                pass
+        return (
+            f"{what}: out of memory on {self.device} decoding this scale plane: it needs {needed:,} bytes there "
+            f"(compressed stream {fixed:,} + exception words {words:,} + decoded [{rows}, {cols}] {rows * cols:,})"
+            f"{free}. Free device memory (lower --gpu-memory-utilization's share taken before loading, or use a "
+            f"larger tensor-parallel size)"
+        )
+
+
+__all__ = ["ENV", "KERNELS", "CsfFormatError", "DecodeConfigError", "DeviceMemoryError", "PlaneDecoder", "kernel_for"]
