@@ -2,14 +2,17 @@
 roofline and against transformers, measured in one run.
 
     python benchmarks/qwen38_plugin/bench_gpu.py OUT_DIR [--config medium] [--dtype float16]
-        [--batches 1,8,64,256] [--modes eager,graphs] [--stock]
+        [--batches 1,8,64,256] [--modes eager,graphs] [--stock] [--work DIR]
 
-For each mode (``eager``: ``enforce_eager=True``; ``graphs``: vLLM's default, torch.compile plus
-CUDA graphs for decode steps, in vLLM's default GPU model runner (V2); ``graphs-v1``: the same in
-the V1 runner, the one the CPU tests run) and batch size B, ``B`` requests of ``--prompt-len`` random tokens
+For each mode (``eager``: ``enforce_eager=True``; ``graphs``: vLLM's default for this
+architecture on CUDA, breakable CUDA graphs without torch.compile, in vLLM's default GPU model
+runner (V2); ``compiled``: torch.compile with piecewise and full CUDA graphs
+(``VLLM_USE_BREAKABLE_CUDAGRAPH=0``); ``graphs-v1``: ``graphs`` in the V1 runner, the one the CPU
+tests run) and batch size B, ``B`` requests of ``--prompt-len`` random tokens
 run together through `vllm.LLM` in a child process: prefill tokens/s from a ``max_tokens=1`` run,
 decode tokens/s from ``B * (new_tokens - 1) / (total - prefill time)``, medians of ``--repeats``.
-transformers' ``Qwen4ExpForCausalLM.generate`` runs the same prompts as one batch on the same GPU.
+transformers' ``Qwen4ExpForCausalLM.generate`` runs the same prompts as one batch on the same kind
+of GPU (the second GPU, at the same time, where two are visible; else after vLLM on the first).
 With ``--stock``, stock vLLM's own Qwen4Exp (bf16, ``QWEN38_FORCE_PORTABLE=0``) is tried on the
 same checkpoint; what stops it is recorded if it does not start.
 
@@ -38,14 +41,14 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
 from bench_cpu import CONFIGS  # noqa: E402  (the same model geometries as the CPU benchmark)
 
 
-def build_checkpoint(out_dir: Path, config: str, dtype: str, stock_gate: bool) -> Path:
+def build_checkpoint(work: Path, config: str, dtype: str, stock_gate: bool) -> Path:
     from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
 
     overrides = dict(CONFIGS[config])
     if stock_gate:
         # Stock's GDN layer asserts on an unset output_gate_type; transformers uses hidden_act then.
         overrides["output_gate_type"] = "silu"
-    path = out_dir / f"ckpt-{config}-{dtype}"
+    path = work / f"ckpt-{config}-{dtype}{'-stock-gate' if stock_gate else ''}"
     if not path.exists():
         build_tiny_checkpoint(path, "qwen4_exp_text", overrides=overrides, dtype=dtype)
     return path
@@ -108,7 +111,7 @@ def child_vllm(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs: dict[str, Any] = {"enforce_eager": args.mode == "eager"}  # graphs, graphs-v1: vLLM's default
+    kwargs: dict[str, Any] = {"enforce_eager": args.mode == "eager"}  # else vLLM's default
     llm = LLM(
         model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 16, seed=0,
         max_num_seqs=max(args.batches), max_num_batched_tokens=max(8192, args.prompt_len * 8),
@@ -162,21 +165,31 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, 240_000, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def run_child(kind: str, args: argparse.Namespace, extra_env: dict[str, str], timeout: int) -> dict[str, Any]:
+def start_child(kind: str, args: argparse.Namespace, extra_env: dict[str, str]) -> subprocess.Popen[str]:
     cmd = [sys.executable, __file__, "--child", kind, "--model", args.model, "--dtype", args.dtype,
            "--batches", ",".join(map(str, args.batches)), "--mode", args.mode, "--repeats", str(args.repeats),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "unused"]  # fmt: skip
     env = {**os.environ, **extra_env}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish_child(proc: subprocess.Popen[str], timeout: int) -> dict[str, Any]:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired as exc:
-        return {"error": f"timed out after {timeout} s", "log": str(exc.stdout)[-3000:]}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, _ = proc.communicate()
+        return {"error": f"timed out after {timeout} s", "log": stdout[-3000:]}
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        errors = [line for line in (proc.stderr + proc.stdout).splitlines() if "Error" in line or "error" in line]
-        return {"error": (errors[-1] if errors else f"exit {proc.returncode}")[:500], "log": proc.stderr[-4000:]}
+        errors = [line for line in (stderr + stdout).splitlines() if "Error" in line or "error" in line]
+        return {"error": (errors[-1] if errors else f"exit {proc.returncode}")[:500], "log": stderr[-4000:]}
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
     return result
+
+
+def run_child(kind: str, args: argparse.Namespace, extra_env: dict[str, str], timeout: int) -> dict[str, Any]:
+    return finish_child(start_child(kind, args, extra_env), timeout)
 
 
 def main() -> None:
@@ -185,7 +198,8 @@ def main() -> None:
     parser.add_argument("--config", default="medium", choices=sorted(CONFIGS))
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--batches", default="1,8,64,256")
-    parser.add_argument("--modes", default="eager,graphs,graphs-v1")
+    parser.add_argument("--modes", default="graphs,compiled,eager", help="of eager, graphs, compiled, graphs-v1")
+    parser.add_argument("--work", type=Path, help="where the checkpoints are built (default: OUT_DIR)")
     parser.add_argument("--mode", default="graphs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -204,7 +218,9 @@ def main() -> None:
     import torch
 
     args.out.mkdir(parents=True, exist_ok=True)
-    model = build_checkpoint(args.out, args.config, args.dtype, stock_gate=False)
+    work = args.work or args.out
+    work.mkdir(parents=True, exist_ok=True)
+    model = build_checkpoint(work, args.config, args.dtype, stock_gate=False)
     args.model = str(model)
     config = json.loads((model / "config.json").read_text())
     elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
@@ -213,18 +229,31 @@ def main() -> None:
                               "gpu": torch.cuda.get_device_name(), "results": {}}  # fmt: skip
     roof = {b: b / (decode_bytes(config, b, elem) / bandwidth) for b in args.batches}
     report["roofline_decode_tok_s"] = {str(b): r for b, r in roof.items()}
+    # With two GPUs visible, transformers runs on the second one while vLLM runs on the first.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
+    gpus = [g for g in visible.split(",") if g]
+    hf_env = {"CUDA_VISIBLE_DEVICES": gpus[1]} if len(gpus) >= 2 else {}
+    vllm_env = {"CUDA_VISIBLE_DEVICES": gpus[0]} if len(gpus) >= 2 else {}
+    report["transformers_gpu"] = "second GPU, concurrently" if hf_env else "same GPU, after vLLM"
+    hf = start_child("transformers", args, hf_env) if hf_env else None
     for mode in args.modes.split(","):
         args.mode = mode
-        env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if mode.endswith("-v1") else {}
+        env = {"VLLM_USE_V2_MODEL_RUNNER": "0" if mode.endswith("-v1") else "1", **vllm_env}
+        if mode.startswith("compiled"):
+            env["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
         report["results"][f"ours-{mode}"] = run_child("vllm", args, env, args.timeout)
         _save(args.out, report)
-    report["results"]["transformers"] = run_child("transformers", args, {}, args.timeout)
+    if hf is None:
+        hf = start_child("transformers", args, {})
+    report["results"]["transformers"] = finish_child(hf, args.timeout)
     _save(args.out, report)
     if args.stock:
-        stock_model = build_checkpoint(args.out, args.config, "bfloat16", stock_gate=True)
+        stock_model = build_checkpoint(work, args.config, "bfloat16", stock_gate=True)
         stock_args = argparse.Namespace(**vars(args))
         stock_args.model, stock_args.dtype, stock_args.mode = str(stock_model), "bfloat16", "graphs"
-        report["results"]["stock-bf16"] = run_child("vllm", stock_args, {"QWEN38_FORCE_PORTABLE": "0"}, args.timeout)
+        report["results"]["stock-bf16"] = run_child(
+            "vllm", stock_args, {"QWEN38_FORCE_PORTABLE": "0", **vllm_env}, args.timeout
+        )
         _save(args.out, report)
     print_table(report, args.batches)
 

@@ -1,22 +1,30 @@
-"""Every GPU check of the portable Qwen4Exp in one command, for a lent GPU machine with the kit
-of ../shared/docs/h200-vllm.md installed (stock vLLM 0.32 and this checkout's plugins):
+"""Every GPU check of the portable Qwen4Exp, for a lent GPU machine with the kit of
+../shared/docs/h200-vllm.md installed (stock vLLM 0.32 and this checkout's plugins):
 
-    python3 benchmarks/qwen38_plugin/gpu_session.py $OUT [--skip ops,exact,bench,tp2]
+    python3 benchmarks/qwen38_plugin/gpu_session.py OUT [--only ops,exact,tp2,bench]
+        [--runners v2,v1] [--dtypes float32,float16] [--work /tmp/qwen38_gpu_session]
 
 1. ``ops``: the CUDA tests of the kernels (QSA paged ops, varlen GDN / PLE, fla's GDN), natively
    and in CUDA graphs.
-2. ``exact``: stock vLLM serving the tiny checkpoint with our model, CUDA graphs on (vLLM's
-   default), concurrent mixed-length prompts, chunked prefill and prefix-cache hits, in both GPU
-   model runners (V2, vLLM's default on GPUs, and V1): fp32 greedy tokens against transformers on
-   the same GPU (must be identical), fp16 against transformers fp16 (identical until the first
-   step where transformers' own top two logprobs nearly tie; counts and margins are printed).
-3. ``bench``: benchmarks/qwen38_plugin/bench_gpu.py (medium config, fp16, batches 1 / 8 / 64 / 256,
+2. ``exact``: stock vLLM serving the tiny checkpoint with our model, CUDA graphs on in both of
+   vLLM's ways (``graphs``: its default for this architecture, breakable CUDA graphs without
+   torch.compile; ``compiled``: torch.compile, full graphs for decode steps and piecewise graphs
+   around our ops otherwise), prompts of
+   1 to 320 tokens, first each alone and then all together (concurrent mixed lengths, chunked
+   prefill at 64 tokens a step, prefix-cache hits on the shared prefixes), in the GPU model runners
+   named by ``--runners`` (V2, vLLM's default on GPUs, and V1, the one the CPU runs): fp32 greedy
+   tokens against transformers on the same GPU (must be identical over 32 steps), fp16 against
+   transformers fp16 (identical until the first step where transformers' own top two logprobs
+   nearly tie, ``NEAR_TIE``; counts and margins are recorded). The tokens of an eager engine
+   (``enforce_eager``) are compared with the graphs' too.
+3. ``tp2`` (two GPUs): the fp32 tokens of 2. at ``tensor_parallel_size=2`` equal TP=1's.
+4. ``bench``: benchmarks/qwen38_plugin/bench_gpu.py (medium config, fp16, batches 1 / 8 / 64 / 256,
    eager and CUDA graphs, transformers, stock's bf16 model if it starts).
-4. ``tp2`` (two GPUs): the fp32 tokens of 2. at ``tensor_parallel_size=2`` equal TP=1's.
 
-Each step runs in a child process with a time limit, so one failure does not stop the others;
-results are written to OUT as they come (a command stopped at its limit still returns them), and
-a summary is printed last.
+Each engine runs in a child process with a time limit, so one failure does not stop the others;
+results are written to OUT as they come (``exact.json``, ``summary.json``, one log per child), so
+a command stopped at its limit still returns them. Checkpoints go under ``--work``, reused by
+later calls on the same machine.
 """
 
 from __future__ import annotations
@@ -59,18 +67,24 @@ def run(name: str, cmd: list[str], out: Path, timeout: int, env: dict[str, str] 
     return {"status": status, "seconds": round(time.time() - start, 1), "tail": log[-1500:]}
 
 
-def engine_tokens(
-    model: Path, dtype: str, tp: int, out: Path, tag: str, env: dict[str, str] | None = None
-) -> list[list[int]] | None:
-    extra = {"max_num_batched_tokens": 64, "max_num_seqs": 16, "tensor_parallel_size": tp}
+NEAR_TIE = {"float16": 2**-8, "bfloat16": 2**-5}  # as tests/qwen38_plugin/qwen38_reference.py
+ENGINE = {"max_num_batched_tokens": 64, "max_num_seqs": 16, "solo": True, "disable_log_stats": False}
+
+
+def engine_run(
+    model: Path, dtype: str, out: Path, tag: str, env: dict[str, str] | None = None, **extra: Any
+) -> dict[str, Any] | None:
+    """The engine's tokens: {"tokens" (together), "solo", "prefix_cache_hits", ...} or None."""
     cmd = [sys.executable, str(ROOT / "tests/qwen38_plugin/qwen38_engine_greedy.py"), str(model), dtype, str(STEPS),
-           json.dumps(prompts(0)), json.dumps(extra)]  # fmt: skip
-    result = run(f"engine-{tag}", cmd, out, 600, env)
+           json.dumps(prompts(0)), json.dumps({**ENGINE, **extra})]  # fmt: skip
+    result = run(f"engine-{tag}", cmd, out, 420, env)
     lines = [line for line in (out / f"engine-{tag}.log").read_text().splitlines() if line.startswith('{"tokens"')]
-    tokens: list[list[int]] | None = json.loads(lines[-1])["tokens"] if lines else None
-    if tokens is None:
+    if not lines:
         print(f"engine {tag} failed: {result['tail'][-800:]}", flush=True)
-    return tokens
+        return None
+    served: dict[str, Any] = json.loads(lines[-1])
+    served["seconds"] = result["seconds"]
+    return served
 
 
 def reference(model: Path, dtype: str) -> tuple[list[list[int]], list[list[float]]]:
@@ -88,54 +102,115 @@ def reference(model: Path, dtype: str) -> tuple[list[list[int]], list[list[float
             tokens.append(gen.sequences[0, len(p) :].tolist())
             top = [torch.log_softmax(s[0].float(), -1).topk(2).values for s in gen.scores]
             margins.append([float(t[0] - t[1]) for t in top])
+    del hf
+    torch.cuda.empty_cache()
     return tokens, margins
 
 
-def exact(out: Path, tp2: bool) -> dict[str, Any]:
-    """Both of vLLM's GPU model runners: V2 (vLLM's default where Triton exists; the CPU runs V1,
-    so V2 is untested elsewhere) and V1."""
+def compare(served: list[list[int]], ref: list[list[int]], margins: list[list[float]], dtype: str) -> dict[str, Any]:
+    """Equal tokens per prompt; fp32 must be identical, other dtypes until a near tie of the reference."""
+    first = [next((i for i, (a, b) in enumerate(zip(s, r, strict=True)) if a != b), None)
+             for s, r in zip(served, ref, strict=True)]  # fmt: skip
+    at_difference = [m[i] if i is not None else None for m, i in zip(margins, first, strict=True)]
+    if dtype == "float32":
+        ok = all(i is None for i in first)
+    else:
+        ok = all(m is None or m < NEAR_TIE[dtype] for m in at_difference)
+    return {"ok": ok, "identical_prompts": sum(i is None for i in first), "prompts": len(first),
+            "first_difference": first, "reference_margin_at_first_difference": at_difference}  # fmt: skip
+
+
+def checkpoint(work: Path, dtype: str) -> Path:
     from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
 
+    model = work / f"tiny-{dtype}"
+    if not model.exists():
+        build_tiny_checkpoint(model, "qwen4_exp_text", dtype=dtype)
+    return model
+
+
+def exact(out: Path, work: Path, runners: list[str], dtypes: list[str]) -> dict[str, Any]:
     report: dict[str, Any] = {}
-    for dtype in ("float32", "float16"):
-        model = out / f"tiny-{dtype}"
-        if not model.exists():
-            build_tiny_checkpoint(model, "qwen4_exp_text", dtype=dtype)
+    for dtype in dtypes:
+        model = checkpoint(work, dtype)
         ref, margins = reference(model, dtype)
-        for runner, env in (("v2", {}), ("v1", {"VLLM_USE_V2_MODEL_RUNNER": "0"})):
-            served = engine_tokens(model, dtype, 1, out, f"{dtype}-{runner}-tp1", env)
-            key = f"{dtype}-{runner}"
-            if served is None:
-                report[key] = {"error": "engine failed"}
-                continue
-            equal = [sum(a == b for a, b in zip(s, r, strict=True)) for s, r in zip(served, ref, strict=True)]
-            first = [next((i for i, (a, b) in enumerate(zip(s, r, strict=True)) if a != b), None)
-                     for s, r in zip(served, ref, strict=True)]  # fmt: skip
-            report[key] = {
-                "identical_prompts": sum(e == STEPS for e in equal), "prompts": len(equal), "equal_tokens": equal,
-                "reference_margin_at_first_difference": [m[i] if i is not None else None
-                                                         for m, i in zip(margins, first, strict=True)],
-            }  # fmt: skip
-            if tp2 and dtype == "float32":
-                tp2_tokens = engine_tokens(model, dtype, 2, out, f"{dtype}-{runner}-tp2", env)
-                report[f"tp2-{runner}-float32-equals-tp1"] = tp2_tokens == served
-            (out / "exact.json").write_text(json.dumps(report, indent=2))
+        (work / f"reference-{dtype}.json").write_text(json.dumps({"tokens": ref, "margins": margins}))
+        for runner in runners:
+            for mode in ("graphs", "compiled", "eager") if dtype == "float32" else ("graphs", "compiled"):
+                key = f"{dtype}-{runner}-{mode}"
+                env = {**RUNNER_ENV[runner], **MODE_ENV[mode]}
+                served = engine_run(model, dtype, out, key, env, enforce_eager=mode == "eager")
+                if served is None:
+                    report[key] = {"ok": False, "error": "engine failed: see engine-" + key + ".log"}
+                else:
+                    report[key] = {
+                        "together": compare(served["tokens"], ref, margins, dtype),
+                        "solo": compare(served["solo"], ref, margins, dtype),
+                        "prefix_cache_hits": served.get("prefix_cache_hits"),
+                        "preemptions": served.get("preemptions"), "seconds": served["seconds"],
+                    }  # fmt: skip
+                    report[key]["ok"] = report[key]["together"]["ok"] and report[key]["solo"]["ok"]
+                    (work / f"tokens-{key}.json").write_text(json.dumps(served["tokens"]))
+                (out / "exact.json").write_text(json.dumps(report, indent=2))
+                print(key, json.dumps(report[key]), flush=True)
     return report
+
+
+def tp2(out: Path, work: Path, runners: list[str]) -> dict[str, Any]:
+    """fp32 at tensor_parallel_size=2 against TP=1's tokens from `exact` (and transformers')."""
+    report: dict[str, Any] = {}
+    model = checkpoint(work, "float32")
+    ref_file = work / "reference-float32.json"
+    if not ref_file.exists():
+        ref, margins = reference(model, "float32")
+        ref_file.write_text(json.dumps({"tokens": ref, "margins": margins}))
+    ref = json.loads(ref_file.read_text())["tokens"]
+    for runner in runners:
+        key = f"float32-{runner}-graphs-tp2"
+        served = engine_run(model, "float32", out, key, RUNNER_ENV[runner], tensor_parallel_size=2)
+        tp1_file = work / f"tokens-float32-{runner}-graphs.json"
+        tp1 = json.loads(tp1_file.read_text()) if tp1_file.exists() else None
+        if served is None:
+            report[key] = {"ok": False, "error": f"engine failed: see engine-{key}.log"}
+        else:
+            report[key] = {"equals_tp1": served["tokens"] == tp1 if tp1 is not None else "TP=1 not run",
+                           "equals_transformers": served["tokens"] == ref and served["solo"] == ref,
+                           "seconds": served["seconds"]}  # fmt: skip
+            report[key]["ok"] = report[key]["equals_transformers"] and report[key]["equals_tp1"] is not False
+        (out / "tp2.json").write_text(json.dumps(report, indent=2))
+        print(key, json.dumps(report[key]), flush=True)
+    return report
+
+
+RUNNER_ENV = {"v2": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+# graphs: vLLM's default for the Qwen4ExpForCausalLM architecture on CUDA, breakable CUDA graphs
+# without torch.compile; compiled: torch.compile with piecewise and full CUDA graphs.
+MODE_ENV = {"graphs": {}, "compiled": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, "eager": {}}
+STEPS_OF_SESSION = ("ops", "exact", "tp2", "bench")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--skip", default="")
+    parser.add_argument("--only", default=",".join(STEPS_OF_SESSION))
+    parser.add_argument("--runners", default="v2,v1")
+    parser.add_argument("--dtypes", default="float32,float16", help="of the exact step")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/qwen38_gpu_session"))
+    parser.add_argument("--bench-args", default="", help="extra arguments for bench_gpu.py")
     args = parser.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
+    only = set(filter(None, args.only.split(",")))
+    unknown = only - set(STEPS_OF_SESSION)
+    if unknown:
+        parser.error(f"--only: unknown steps {sorted(unknown)}; choose from {', '.join(STEPS_OF_SESSION)}")
+    runners = [r for r in args.runners.split(",") if r]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
     import torch
 
     gpus = torch.cuda.device_count()
     summary: dict[str, Any] = {"gpus": gpus, "name": torch.cuda.get_device_name() if gpus else None}
-    if "ops" not in skip:
+    if "ops" in only:
         tests = [
             "tests/qwen38_plugin/cuda",
             "tests/qwen38_plugin/test_qwen38_qsa_paged.py",
@@ -145,12 +220,14 @@ def main() -> None:
         cmd = [sys.executable, "-m", "pytest", "--noconftest", "-q", "-rA", "-p", "no:cacheprovider", *tests]
         summary["ops"] = run("ops", cmd, out, 420, {"PYTHONPATH": f"{ROOT / 'src/qwen38_plugin'}:{ROOT}"})
         print("ops:", summary["ops"]["status"], summary["ops"]["tail"][-300:], flush=True)
-    if "exact" not in skip:
-        summary["exact"] = exact(out, tp2=gpus >= 2 and "tp2" not in skip)
-        print("exact:", json.dumps(summary["exact"]), flush=True)
-    if "bench" not in skip:
-        cmd = [sys.executable, str(ROOT / "benchmarks/qwen38_plugin/bench_gpu.py"), str(out / "bench"), "--stock"]
-        summary["bench"] = run("bench", cmd, out, 1500)
+    if "exact" in only:
+        summary["exact"] = exact(out, args.work, runners, [d for d in args.dtypes.split(",") if d])
+    if "tp2" in only:
+        summary["tp2"] = tp2(out, args.work, runners) if gpus >= 2 else "needs two GPUs"
+    if "bench" in only:
+        cmd = [sys.executable, str(ROOT / "benchmarks/qwen38_plugin/bench_gpu.py"), str(out), "--stock",
+               "--work", str(args.work), *args.bench_args.split()]  # fmt: skip
+        summary["bench"] = run("bench", cmd, out, 3000)
         print(summary["bench"]["tail"], flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
 

@@ -5,7 +5,8 @@ Prints one stdout line {"tokens": [[...], ...]} (vLLM logs to stdout too): all p
 together. With ``"solo": true`` among the extra kwargs (not passed to vLLM) the engine first
 decodes every prompt by itself, one request at a time, and the line also holds "solo" (those
 tokens) and "preemptions" {"solo": n, "together": m}: vLLM's `vllm:num_preemptions` counter
-over each phase (the counter needs ``"disable_log_stats": false``).
+over each phase (the counter needs ``"disable_log_stats": false``). With stats on, the line
+also holds "prefix_cache_hits": the tokens vLLM served from its prefix cache over the whole run.
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ import sys
 from typing import Any
 
 
-def preemptions(llm: Any) -> float:
+def counter(llm: Any, name: str) -> float:
     from vllm.v1.metrics.reader import Counter
 
-    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions" and isinstance(m, Counter))
+    return sum(m.value for m in llm.get_metrics() if m.name == name and isinstance(m, Counter))
+
+
+def preemptions(llm: Any) -> float:
+    return counter(llm, "vllm:num_preemptions")
 
 
 def main() -> None:
@@ -41,6 +46,8 @@ def main() -> None:
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], **result}
     if solo:
         result["preemptions"] = {"solo": after_solo, "together": preemptions(llm) - after_solo}
+    if extra.get("disable_log_stats") is False:
+        result["prefix_cache_hits"] = counter(llm, "vllm:prefix_cache_hits")
     print(json.dumps(result))
 
 

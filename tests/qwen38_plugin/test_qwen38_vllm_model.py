@@ -4,7 +4,8 @@
   stateful blocks as opaque vLLM custom ops: what vLLM's `support_torch_compile` needs on CUDA
   (the CPU platform runs vLLM uncompiled, so this is the only place the CPU can check it);
 - a forward dispatches the same aten ops for 2 and for 13 tokens, and the custom ops take the
-  same arguments: nothing in the model loops over tokens or requests.
+  same arguments: nothing in the model loops over tokens or requests;
+- the custom ops are among vLLM's splitting ops (outside piecewise CUDA graphs).
 
 Both without a step's metadata (as vLLM's profiling run): the custom ops then write zeros.
 The engine tests check what the model computes.
@@ -102,3 +103,15 @@ def test_forward_dispatches_the_same_ops_for_any_token_count(served: tuple[Any, 
     assert counts[0]["vllm.qwen38_ple_mix"] == len(model.config.ple_layer_ids)
     # nothing reads a tensor back to the host
     assert not {"aten._local_scalar_dense", "aten.item", "aten.nonzero"} & set(counts[0])
+
+
+def test_custom_ops_split_vllm_piecewise_graphs(served: tuple[Any, Any]) -> None:
+    """Our ops read per-request metadata, so vLLM must run them between its piecewise CUDA graphs
+    (as it runs its own attention and GDN ops), never inside one replayed for a prefill batch."""
+    from qwen38_plugin.vllm_ops import SPLITTING_OPS
+
+    _, vllm_config = served
+    splitting = vllm_config.compilation_config.splitting_ops
+    assert splitting is not None
+    assert set(SPLITTING_OPS) <= set(splitting)
+    assert len(splitting) == len(set(splitting))  # registered once, whatever the number of layers

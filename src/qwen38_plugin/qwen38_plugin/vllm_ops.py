@@ -14,6 +14,12 @@ and the whole decode step is captured in one CUDA graph.
 | ``vllm.qwen38_ple_mix`` | `vllm_ple.PortablePLE` | gated value and dilated convolution (advancing the conv state) |
 | ``vllm.qwen38_gdn_core_cpu`` | `vllm_gdn.PortableGatedDeltaNet` | the GDN core on CPU (CUDA uses vLLM's own GDN op) |
 
+vLLM runs CUDA graphs in one of two ways, and the ops are correct in both: with torch.compile,
+the ops are splitting ops (`SPLITTING_OPS`, run between piecewise graphs); with breakable CUDA
+graphs (vLLM's default for the ``Qwen4ExpForCausalLM`` architecture on CUDA: compilation off, one
+capture broken at each marked op), they are marked with `eager_break_during_capture`. Full graphs
+of uniform decode steps capture them whole in both.
+
 In vLLM's profiling run there is no metadata: the ops write zeros, so the run still goes
 through every projection and sizes memory from a real peak.
 """
@@ -22,6 +28,7 @@ through every projection and sizes memory from a real peak.
 from typing import Any, Optional
 
 import torch
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.forward_context import get_forward_context
 from vllm.utils.torch_utils import (
     LayerNameType,
@@ -40,10 +47,16 @@ def register_owner(vllm_config: Any, name: str, owner: Any) -> Any:
     """Put ``owner`` in vLLM's forward context under ``name`` (where the ops find it); returns the
     name as the ops take it. Registers the ops on first use."""
     register_ops()
-    context = vllm_config.compilation_config.static_forward_context
+    compilation = vllm_config.compilation_config
+    context = compilation.static_forward_context
     if name in context:
         raise ValueError(f"Duplicate layer name: {name}")
     context[name] = owner
+    # vLLM captures the pieces between its splitting ops as piecewise CUDA graphs and replays
+    # them for every batch of that size, prefills included; our ops read per-request metadata,
+    # so, like stock's attention and GDN ops, they must run outside those pieces.
+    if compilation.splitting_ops is not None:
+        compilation.splitting_ops.extend(op for op in SPLITTING_OPS if op not in compilation.splitting_ops)
     return layer_name(name)
 
 
@@ -92,6 +105,9 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 
 _REGISTERED = False
+SPLITTING_OPS = tuple(
+    f"vllm::{op}" for op in ("qwen38_qsa_attention", "qwen38_ple_embed", "qwen38_ple_mix", "qwen38_gdn_core_cpu")
+)
 
 
 def register_ops() -> None:
@@ -105,5 +121,5 @@ def register_ops() -> None:
         (qwen38_ple_mix, ["term"]),
         (qwen38_gdn_core_cpu, ["core_out"]),
     ):
-        direct_register_custom_op(op.__name__, op, mutates_args=mutated, fake_impl=_nothing)
+        direct_register_custom_op(op.__name__, eager_break_during_capture(op), mutates_args=mutated, fake_impl=_nothing)
     _REGISTERED = True

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The project's GPU proof on a lent two-GPU H200 machine (kind nvidia-h200-x2), in device calls of
+# at most 10 minutes, after the kit of ../shared/docs/h200-vllm.md is installed (its call 5 ends
+# with `bash benchmarks/h200_session.sh a $OUT`; later calls on the warm machine run
+# `export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 && bash
+# benchmarks/h200_session.sh b $OUT`, then `c`).
+#
+#   a: GPU 1: the kernels' CUDA tests (qwen38 ops, FLASH_ATTN_V100 numerics) then fp16
+#      exactness; GPU 0: fp32 exactness (CUDA graphs and eager); then TP=2 over both GPUs.
+#   b: bench_gpu.py (medium config, fp16, vLLM on GPU 0 against the roofline and stock's model,
+#      transformers on GPU 1 at the same time).
+#   c: GPU 1: exactness in vLLM's V1 model runner; meanwhile CSF's kernels, CSF served against its sources at
+#      TP=1 and TP=2, its load overhead and the Qwen4Exp NVFP4-CSF check (CSF_BUDGET seconds).
+#
+# This checkout's sources come first on PYTHONPATH (the kit's plugin wheels give the entry points).
+# Every child has a time limit; each part ends by packing its results into OUT/<part>.tar.gz
+# (the device returns at most 8 files) beside the summaries.
+set -u
+part=$1
+out=$2
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=/tmp/h200_session
+res=$work/results-$part
+mkdir -p "$res"
+src=$(printf "$root/src/%s:" qwen38_plugin sm70_backend dflash2 csf_loader tool_parsers)
+export PYTHONPATH="$src$root:${PYTHONPATH:-}" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+q38="python3 $root/benchmarks/qwen38_plugin/gpu_session.py"
+csf="python3 $root/benchmarks/csf_loader/gpu_session.py"
+cd "$root"
+# Every child's limit is cut to what is left of BUDGET seconds (default 500), so the packing at
+# the end always happens inside the device call's 10 minutes.
+deadline=$(($(date +%s) + ${BUDGET:-500}))
+lim() { # lim CAP: CAP seconds, or what is left before the deadline less 15 s, whichever is less
+    local left=$((deadline - $(date +%s) - 15))
+    echo $((left < $1 ? (left > 1 ? left : 1) : $1))
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv >"$res/gpus.txt" 2>&1
+
+case $part in
+a)
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        timeout $(lim 150) $q38 "$res/ops" --only ops --work $work/q38
+        timeout $(lim 90) python3 -m pytest --noconftest -q -rA -p no:cacheprovider \
+            tests/sm70_backend/test_attention_cuda.py >"$res/sm70_attention_cuda.log" 2>&1
+        timeout $(lim 200) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 --work $work/q38
+    ) >"$res/gpu1.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout $(lim 330) $q38 "$res/exact-fp32" --only exact --runners v2 --dtypes float32 \
+        --work $work/q38 >"$res/gpu0.log" 2>&1
+    wait
+    timeout $(lim 130) $q38 "$res/tp2" --only tp2 --runners v2 --work $work/q38 >"$res/tp2.log" 2>&1
+    ;;
+b)
+    # transformers on GPU 1 while vLLM runs on GPU 0 (bench_gpu.py does that with two GPUs)
+    timeout $(lim 560) $q38 "$res/bench" --only bench --work $work/q38 --bench-args "--modes graphs,compiled,eager" \
+        >"$res/bench.log" 2>&1
+    ;;
+c)
+    # the V1 runner on GPU 1 while CSF's TP=1 serving runs on GPU 0; then CSF's two-GPU steps
+    CUDA_VISIBLE_DEVICES=1 timeout $(lim 300) $q38 "$res/exact-v1" --only exact --runners v1 --work $work/q38 \
+        >"$res/gpu1.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout $(lim 250) $csf "$res/csf-serve" --only kernels,serve --budget 240 \
+        --work $work/csf \
+        >"$res/csf-serve.log" 2>&1
+    wait
+    budget=${CSF_BUDGET:-200}
+    timeout $(lim $((budget + 10))) $csf "$res/csf" --only tp2,load,qwen4exp --budget "$budget" --work $work/csf \
+        >"$res/csf.log" 2>&1
+    ;;
+*)
+    echo "part: a, b or c" >&2
+    exit 2
+    ;;
+esac
+tar czf "$out/$part.tar.gz" -C $work "results-$part"
+for f in exact-fp32/exact.json exact-fp16/exact.json tp2/tp2.json bench/bench_gpu.json exact-v1/exact.json; do
+    [ -f "$res/$f" ] && cp "$res/$f" "$out/$(echo "$f" | tr / -)"
+done
+ls -la "$out"
