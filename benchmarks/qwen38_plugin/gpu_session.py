@@ -218,7 +218,7 @@ def main() -> None:
             "tests/qwen38_plugin/test_qwen38_ple_varlen.py",
         ]
         cmd = [sys.executable, "-m", "pytest", "--noconftest", "-q", "-rA", "-p", "no:cacheprovider", *tests]
-        summary["ops"] = run("ops", cmd, out, 420, {"PYTHONPATH": f"{ROOT / 'src/qwen38_plugin'}:{ROOT}"})
+        summary["ops"] = run("ops", cmd, out, 420, {"PYTHONPATH": f"{ROOT / 'src/qwen38_plugin'}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
         print("ops:", summary["ops"]["status"], summary["ops"]["tail"][-300:], flush=True)
     if "exact" in only:
         summary["exact"] = exact(out, args.work, runners, [d for d in args.dtypes.split(",") if d])

@@ -25,7 +25,9 @@ This module imports vLLM; it is loaded only when vLLM builds the model.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -113,8 +115,10 @@ class PortableGatedDeltaNet(QwenGatedDeltaNetAttention):
     """vLLM's Qwen GDN layer with Qwen4Exp's state slot and a CPU path for every dtype."""
 
     def __init__(self, config: Any, vllm_config: VllmConfig, prefix: str = "") -> None:
-        super().__init__(config, vllm_config=vllm_config, prefix=prefix, gqa_interleaved_layout=False)
+        # Stock's __init__ already asks for the state dtypes (on CUDA), so the config comes first.
         self._vllm_config = vllm_config
+        self._gdn_states_only = False
+        super().__init__(config, vllm_config=vllm_config, prefix=prefix, gqa_interleaved_layout=False)
         self.gate_activation = self.norm.activation
         vllm_ops.register_ops()
         # The GDN layer registered itself under its prefix; the CPU core op finds it there.
@@ -125,7 +129,26 @@ class PortableGatedDeltaNet(QwenGatedDeltaNetAttention):
         return slot_state_shapes(self._vllm_config)
 
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
-        return slot_state_dtypes(self._vllm_config)
+        dtypes = slot_state_dtypes(self._vllm_config)
+        # Stock's own kernel choices read (conv, recurrent) only: the first two states of our slot.
+        return dtypes[:2] if self._gdn_states_only else dtypes
+
+    @contextlib.contextmanager
+    def _gdn_states(self) -> Iterator[None]:
+        self._gdn_states_only = True
+        try:
+            yield
+        finally:
+            self._gdn_states_only = False
+
+    def _warmup_prefill_kernels(self, qkv_or_qkvz: torch.Tensor, v_dim: int) -> None:
+        with self._gdn_states():
+            super()._warmup_prefill_kernels(qkv_or_qkvz, v_dim)
+
+    def _fused_gdn_decode_unsupported_reason(self, vllm_config: VllmConfig) -> str | None:
+        # Stock's fused CUDA decode kernel (bf16, K = V = 128) has not been run on our state slot,
+        # which also carries the PLE states; the Triton decode path it falls back to has.
+        return "the portable Qwen4Exp's GDN state slot (with PLE states) is proven with the Triton decode path only"
 
     # -- CPU ------------------------------------------------------------------------------------
     def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
