@@ -67,6 +67,14 @@ c)
     timeout $(lim $((budget + 10))) $csf "$res/csf" --only tp2,load,qwen4exp --budget "$budget" --work $work/csf \
         >"$res/csf.log" 2>&1
     ;;
+d)
+    # what fits a short call: fp16 exactness with CUDA graphs (GPU 1), the graphs decode bench (GPU 0)
+    CUDA_VISIBLE_DEVICES=1 timeout $(lim 200) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 \
+        --modes graphs --work $work/q38 >"$res/gpu1.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout $(lim 220) $q38 "$res/bench" --only bench --work $work/q38 \
+        --bench-args "--modes graphs --batches 1,8,64 --repeats 2 --no-transformers" >"$res/bench.log" 2>&1
+    wait
+    ;;
 *)
     echo "part: a, b or c" >&2
     exit 2

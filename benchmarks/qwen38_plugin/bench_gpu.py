@@ -131,6 +131,7 @@ def child_vllm(args: argparse.Namespace) -> dict[str, Any]:
         prefill = statistics.median(run(1) for _ in range(args.repeats))
         total = statistics.median(run(args.new_tokens) for _ in range(args.repeats))
         results[str(batch)] = _rates(batch, args.new_tokens, prefill, total, args.prompt_len)
+        print("RESULT " + json.dumps(results), flush=True)
     return results
 
 
@@ -155,6 +156,7 @@ def child_transformers(args: argparse.Namespace) -> dict[str, Any]:
             prefill = statistics.median(run(1) for _ in range(args.repeats))
             total = statistics.median(run(args.new_tokens) for _ in range(args.repeats))
             results[str(batch)] = _rates(batch, args.new_tokens, prefill, total, args.prompt_len)
+            print("RESULT " + json.dumps(results), flush=True)
     return results
 
 
@@ -165,26 +167,33 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, 240_000, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def start_child(kind: str, args: argparse.Namespace, extra_env: dict[str, str]) -> subprocess.Popen[str]:
+def start_child(kind: str, args: argparse.Namespace, extra_env: dict[str, str]) -> tuple[subprocess.Popen[str], Path]:
+    """The child, its output streamed to OUT_DIR/child-<kind>-<mode>.log (kept if a limit stops it)."""
     cmd = [sys.executable, __file__, "--child", kind, "--model", args.model, "--dtype", args.dtype,
            "--batches", ",".join(map(str, args.batches)), "--mode", args.mode, "--repeats", str(args.repeats),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "unused"]  # fmt: skip
     env = {**os.environ, **extra_env}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    log = args.out / f"child-{kind}-{args.mode if kind == 'vllm' else args.dtype}.log"
+    with log.open("w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env), log
 
 
-def finish_child(proc: subprocess.Popen[str], timeout: int) -> dict[str, Any]:
+def finish_child(child: tuple[subprocess.Popen[str], Path], timeout: int) -> dict[str, Any]:
+    """The child's last RESULT line (children print one after each batch size), or the error."""
+    proc, log = child
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
+        error = None if proc.returncode == 0 else f"exit {proc.returncode}"
     except subprocess.TimeoutExpired:
         proc.kill()
-        stdout, _ = proc.communicate()
-        return {"error": f"timed out after {timeout} s", "log": stdout[-3000:]}
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        errors = [line for line in (stderr + stdout).splitlines() if "Error" in line or "error" in line]
-        return {"error": (errors[-1] if errors else f"exit {proc.returncode}")[:500], "log": stderr[-4000:]}
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+        proc.wait()
+        error = f"timed out after {timeout} s"
+    output = log.read_text(errors="replace")
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :]) if lines else {}
+    if error is not None:
+        errors = [line for line in output.splitlines() if "Error" in line or "error" in line]
+        result["error"] = (errors[-1] if errors else error)[:500] + f" ({error}; log: {log.name})"
     return result
 
 
@@ -205,6 +214,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--stock", action="store_true")
+    parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--timeout", type=int, default=420)
     parser.add_argument("--child")
     parser.add_argument("--model")
@@ -235,7 +245,7 @@ def main() -> None:
     hf_env = {"CUDA_VISIBLE_DEVICES": gpus[1]} if len(gpus) >= 2 else {}
     vllm_env = {"CUDA_VISIBLE_DEVICES": gpus[0]} if len(gpus) >= 2 else {}
     report["transformers_gpu"] = "second GPU, concurrently" if hf_env else "same GPU, after vLLM"
-    hf = start_child("transformers", args, hf_env) if hf_env else None
+    hf = start_child("transformers", args, hf_env) if hf_env and not args.no_transformers else None
     for mode in args.modes.split(","):
         args.mode = mode
         env = {"VLLM_USE_V2_MODEL_RUNNER": "0" if mode.endswith("-v1") else "1", **vllm_env}
@@ -243,10 +253,11 @@ def main() -> None:
             env["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
         report["results"][f"ours-{mode}"] = run_child("vllm", args, env, args.timeout)
         _save(args.out, report)
-    if hf is None:
-        hf = start_child("transformers", args, {})
-    report["results"]["transformers"] = finish_child(hf, args.timeout)
-    _save(args.out, report)
+    if not args.no_transformers:
+        if hf is None:
+            hf = start_child("transformers", args, {})
+        report["results"]["transformers"] = finish_child(hf, args.timeout)
+        _save(args.out, report)
     if args.stock:
         stock_model = build_checkpoint(work, args.config, "bfloat16", stock_gate=True)
         stock_args = argparse.Namespace(**vars(args))
@@ -269,15 +280,14 @@ def print_table(report: dict[str, Any], batches: list[int]) -> None:
     print("| run | batch | decode tok/s | step ms | of roofline | vs transformers | prefill tok/s |")
     print("|---|---|---|---|---|---|---|")
     for name, result in report["results"].items():
-        if "error" in result:
+        if "error" in result:  # what it measured before it stopped, if anything, still prints
             print(f"| {name} | - | failed: {result['error'][:200]} | | | | |")
-            continue
         for b in batches:
             r = result.get(str(b))
             if r is None:
                 continue
             ratio = float("nan")
-            if str(b) in hf and "error" not in hf:
+            if str(b) in hf:
                 ratio = r["decode_tok_s"] / hf[str(b)]["decode_tok_s"]
             print(
                 f"| {name} | {b} | {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | "

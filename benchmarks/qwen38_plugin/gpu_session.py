@@ -55,15 +55,19 @@ def prompts(seed: int) -> list[list[int]]:
 
 
 def run(name: str, cmd: list[str], out: Path, timeout: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run a child, its output streamed into OUT/<name>.log (kept when a limit stops the child or us)."""
     start = time.time()
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False
-        )
-        status, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        status, log = 124, f"{exc.stdout}\n{exc.stderr}\ntimed out after {timeout} s"
-    (out / f"{name}.log").write_text(log)
+    path = out / f"{name}.log"
+    with path.open("w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        try:
+            status = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            status = 124
+            log_file.write(f"\ntimed out after {timeout} s\n")
+    log = path.read_text(errors="replace")
     return {"status": status, "seconds": round(time.time() - start, 1), "tail": log[-1500:]}
 
 
@@ -129,14 +133,14 @@ def checkpoint(work: Path, dtype: str) -> Path:
     return model
 
 
-def exact(out: Path, work: Path, runners: list[str], dtypes: list[str]) -> dict[str, Any]:
+def exact(out: Path, work: Path, runners: list[str], dtypes: list[str], modes: list[str]) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for dtype in dtypes:
         model = checkpoint(work, dtype)
         ref, margins = reference(model, dtype)
         (work / f"reference-{dtype}.json").write_text(json.dumps({"tokens": ref, "margins": margins}))
         for runner in runners:
-            for mode in ("graphs", "compiled", "eager") if dtype == "float32" else ("graphs", "compiled"):
+            for mode in [m for m in modes if dtype == "float32" or m != "eager"]:
                 key = f"{dtype}-{runner}-{mode}"
                 env = {**RUNNER_ENV[runner], **MODE_ENV[mode]}
                 served = engine_run(model, dtype, out, key, env, enforce_eager=mode == "eager")
@@ -195,6 +199,7 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(STEPS_OF_SESSION))
     parser.add_argument("--runners", default="v2,v1")
     parser.add_argument("--dtypes", default="float32,float16", help="of the exact step")
+    parser.add_argument("--modes", default="graphs,compiled,eager", help="of the exact step (eager: fp32 only)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/qwen38_gpu_session"))
     parser.add_argument("--bench-args", default="", help="extra arguments for bench_gpu.py")
     args = parser.parse_args()
@@ -218,10 +223,12 @@ def main() -> None:
             "tests/qwen38_plugin/test_qwen38_ple_varlen.py",
         ]
         cmd = [sys.executable, "-m", "pytest", "--noconftest", "-q", "-rA", "-p", "no:cacheprovider", *tests]
-        summary["ops"] = run("ops", cmd, out, 420, {"PYTHONPATH": f"{ROOT / 'src/qwen38_plugin'}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+        path = f"{ROOT / 'src/qwen38_plugin'}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"
+        summary["ops"] = run("ops", cmd, out, 420, {"PYTHONPATH": path})
         print("ops:", summary["ops"]["status"], summary["ops"]["tail"][-300:], flush=True)
     if "exact" in only:
-        summary["exact"] = exact(out, args.work, runners, [d for d in args.dtypes.split(",") if d])
+        dtypes = [d for d in args.dtypes.split(",") if d]
+        summary["exact"] = exact(out, args.work, runners, dtypes, args.modes.split(","))
     if "tp2" in only:
         summary["tp2"] = tp2(out, args.work, runners) if gpus >= 2 else "needs two GPUs"
     if "bench" in only:

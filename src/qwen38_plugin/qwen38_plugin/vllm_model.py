@@ -79,11 +79,21 @@ _PLE_SHARD = ".ple_embedding.ngram_embedding.shard_"
 _PLE_SCALE = ".ple_embedding.ngram_embedding.weight_scale"
 
 
-def check_vllm_config(vllm_config: VllmConfig) -> None:
-    """What the portable model refuses at startup, each naming the option or field and the fix."""
+def check_vllm_config(vllm_config: VllmConfig, on_cuda: bool | None = None) -> None:
+    """What the portable model refuses at startup, each naming the option or field and the fix
+    (``on_cuda``: the platform's, unless given)."""
     config = vllm_config.model_config.hf_text_config
-    check_config(config)
-    check_tensor_parallel(config, vllm_config.parallel_config.tensor_parallel_size, split_vocabulary=False)
+    if on_cuda is None:
+        from vllm.platforms import current_platform
+
+        on_cuda = current_platform.is_cuda_alike()
+    if on_cuda and vllm_config.model_config.dtype == torch.float32:
+        # Found on the H200: vLLM's Gated DeltaNet prefill kernel (its copy of fla's chunked delta
+        # rule) asserts on float32 during the profiling run, for stock's GDN models too.
+        raise ConfigError(
+            "--dtype float32: on CUDA vLLM's Gated DeltaNet prefill kernel supports float16 and bfloat16 "
+            "only; serve with --dtype float16 or --dtype bfloat16 (float32 runs on CPU)"
+        )
     rope = config.rope_parameters or {}
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
@@ -97,6 +107,8 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
             f"--decode-context-parallel-size {dcp}: the portable Qwen4Exp model does not support decode context "
             "parallelism yet; leave it at 1"
         )
+    check_config(config)
+    check_tensor_parallel(config, vllm_config.parallel_config.tensor_parallel_size, split_vocabulary=False)
 
 
 class PortableDecoderLayer(nn.Module):

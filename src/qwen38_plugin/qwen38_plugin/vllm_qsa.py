@@ -168,6 +168,13 @@ class PortableQSAAttention(nn.Module):
         if meta is None:  # vLLM's profiling run: no requests, no caches
             out.zero_()
             return
+        # vLLM pads a step's tokens (to a CUDA-graph size); the metadata covers the real ones.
+        n = meta.num_tokens
+        if q.shape[0] != n:
+            out[n:].zero_()
+            q, gate, k, v, positions, out = q[:n], gate[:n], k[:n], v[:n], positions[:n], out[:n]
+            index_q = None if index_q is None else index_q[:n]
+            raw_keys = None if raw_keys is None else raw_keys[:n]
         qsa_paged.write_kv(cache.kv_cache, meta.slots, k, v)
         selected = None
         if self.indexer is not None:

@@ -192,6 +192,10 @@ class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
                 ratio=self.ratio,
             )  # fmt: skip
             slots.copy_(ring)
+        # Rows past this step's tokens: a full CUDA graph captured for more tokens replays over
+        # them, so they must write nowhere and belong to no request (not stale values).
+        self._slots[num_tokens:].fill_(-1)
+        self._token_req[num_tokens:].fill_(-1)
         return QSAMetadata(num_tokens, token_req, step_start, block_table, slots)
 
 

@@ -1,0 +1,88 @@
+"""What the served model refuses at startup (`vllm_model.check_vllm_config`), on vLLM's own
+config objects built from tiny checkpoints by `EngineArgs` (no engine is started): each refusal
+names the option or field and the fix. And what it accepts: a config without
+``output_gate_type`` follows transformers (``hidden_act``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _engine_config(model: Path, **kwargs: Any) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model), max_model_len=256, **kwargs).create_engine_config()
+
+
+def _edited_copy(source: Path, target: Path, **fields: Any) -> Path:
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    text = config.get("text_config", config)
+    text.update(fields)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint: Callable[..., Path]) -> Path:
+    from qwen38_plugin import register
+
+    register()
+    return tiny_checkpoint("qwen4_exp_text", dtype="float32")
+
+
+def test_accepts_the_tiny_checkpoint_on_cpu_and_fp16_on_cuda(checkpoint: Path) -> None:
+    from qwen38_plugin.vllm_model import check_vllm_config
+
+    check_vllm_config(_engine_config(checkpoint, dtype="float32"))
+    check_vllm_config(_engine_config(checkpoint, dtype="float16"), on_cuda=True)
+
+
+def test_refuses_float32_on_cuda_naming_the_option(checkpoint: Path) -> None:
+    from qwen38_plugin.model import ConfigError
+    from qwen38_plugin.vllm_model import check_vllm_config
+
+    with pytest.raises(ConfigError, match=r"--dtype float32: .* serve with --dtype float16 or --dtype bfloat16"):
+        check_vllm_config(_engine_config(checkpoint, dtype="float32"), on_cuda=True)
+
+
+def test_refuses_a_rope_type_it_does_not_implement(checkpoint: Path, tmp_path: Path) -> None:
+    from qwen38_plugin.model import ConfigError
+    from qwen38_plugin.vllm_model import check_vllm_config
+
+    base = json.loads((checkpoint / "config.json").read_text())
+    rope = dict(base.get("text_config", base)["rope_parameters"])
+    rope.update(rope_type="yarn", factor=2.0, original_max_position_embeddings=128)
+    model = _edited_copy(checkpoint, tmp_path / "yarn", rope_parameters=rope)
+    with pytest.raises(ConfigError, match=r"rope_parameters.rope_type: 'yarn' is not implemented .* unscaled RoPE"):
+        check_vllm_config(_engine_config(model, dtype="float32"))
+
+
+def test_refuses_decode_context_parallelism_naming_the_option(checkpoint: Path) -> None:
+    from qwen38_plugin.model import ConfigError
+    from qwen38_plugin.vllm_model import check_vllm_config
+
+    config = _engine_config(checkpoint, dtype="float32", tensor_parallel_size=4, decode_context_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"--decode-context-parallel-size 2: .* leave it at 1"):
+        check_vllm_config(config)
+
+
+def test_unset_output_gate_type_follows_hidden_act(checkpoint: Path, tmp_path: Path, vllm_single_rank: None) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    from qwen38_plugin.vllm_model import PortableQwen4ExpForCausalLM
+
+    model_dir = _edited_copy(checkpoint, tmp_path / "gate", output_gate_type=None)
+    vllm_config = _engine_config(model_dir, dtype="float32", enforce_eager=True)
+    with pytest.MonkeyPatch.context() as env, set_current_vllm_config(vllm_config):
+        env.setenv("QWEN38_PLE_TABLE", "device")
+        model = initialize_model(vllm_config, model_class=PortableQwen4ExpForCausalLM)
+    gates = {layer.linear_attn.norm.activation for layer in model.model.layers if hasattr(layer, "linear_attn")}
+    assert gates == {model.config.hidden_act} == {"silu"}  # stock asserts on an unset field
