@@ -5,8 +5,8 @@
 # `export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 && bash
 # benchmarks/h200_session.sh b $OUT`, then `c`).
 #
-#   a: GPU 1: the kernels' CUDA tests (qwen38 ops, FLASH_ATTN_V100 numerics) then fp16
-#      exactness; GPU 0: fp32 exactness (CUDA graphs and eager); then TP=2 over both GPUs.
+#   a: GPU 1: the kernels' CUDA tests (qwen38 ops, FLASH_ATTN_V100 numerics) then bf16
+#      exactness; GPU 0: fp16 exactness (breakable and compiled CUDA graphs, eager); then TP=2.
 #   b: bench_gpu.py (medium config, fp16, vLLM on GPU 0 against the roofline and stock's model,
 #      transformers on GPU 1 at the same time).
 #   c: GPU 1: exactness in vLLM's V1 model runner; meanwhile CSF's kernels, CSF served against its sources at
@@ -43,12 +43,13 @@ a)
         timeout $(lim 150) $q38 "$res/ops" --only ops --work $work/q38
         timeout $(lim 90) python3 -m pytest --noconftest -q -rA -p no:cacheprovider \
             tests/sm70_backend/test_attention_cuda.py >"$res/sm70_attention_cuda.log" 2>&1
-        timeout $(lim 200) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 --work $work/q38
+        timeout $(lim 250) $q38 "$res/exact-bf16" --only exact --runners v2 --dtypes bfloat16 --modes graphs \
+            --work $work/q38
     ) >"$res/gpu1.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=0 timeout $(lim 330) $q38 "$res/exact-fp32" --only exact --runners v2 --dtypes float32 \
+    CUDA_VISIBLE_DEVICES=0 timeout $(lim 330) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 \
         --work $work/q38 >"$res/gpu0.log" 2>&1
     wait
-    timeout $(lim 130) $q38 "$res/tp2" --only tp2 --runners v2 --work $work/q38 >"$res/tp2.log" 2>&1
+    timeout $(lim 130) $q38 "$res/tp2" --only tp2 --runners v2 --dtypes float16 --work $work/q38 >"$res/tp2.log" 2>&1
     ;;
 b)
     # transformers on GPU 1 while vLLM runs on GPU 0 (bench_gpu.py does that with two GPUs)
@@ -81,7 +82,7 @@ d)
     ;;
 esac
 tar czf "$out/$part.tar.gz" -C $work "results-$part"
-for f in exact-fp32/exact.json exact-fp16/exact.json tp2/tp2.json bench/bench_gpu.json exact-v1/exact.json; do
+for f in exact-bf16/exact.json exact-fp16/exact.json tp2/tp2.json bench/bench_gpu.json exact-v1/exact.json; do
     [ -f "$res/$f" ] && cp "$res/$f" "$out/$(echo "$f" | tr / -)"
 done
 ls -la "$out"

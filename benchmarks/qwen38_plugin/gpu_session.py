@@ -2,22 +2,23 @@
 ../shared/docs/h200-vllm.md installed (stock vLLM 0.32 and this checkout's plugins):
 
     python3 benchmarks/qwen38_plugin/gpu_session.py OUT [--only ops,exact,tp2,bench]
-        [--runners v2,v1] [--dtypes float32,float16] [--work /tmp/qwen38_gpu_session]
+        [--runners v2,v1] [--dtypes float16,bfloat16] [--modes graphs,compiled,eager]
+        [--work /tmp/qwen38_gpu_session]
 
 1. ``ops``: the CUDA tests of the kernels (QSA paged ops, varlen GDN / PLE, fla's GDN), natively
    and in CUDA graphs.
 2. ``exact``: stock vLLM serving the tiny checkpoint with our model, CUDA graphs on in both of
    vLLM's ways (``graphs``: its default for this architecture, breakable CUDA graphs without
    torch.compile; ``compiled``: torch.compile, full graphs for decode steps and piecewise graphs
-   around our ops otherwise), prompts of
-   1 to 320 tokens, first each alone and then all together (concurrent mixed lengths, chunked
-   prefill at 64 tokens a step, prefix-cache hits on the shared prefixes), in the GPU model runners
-   named by ``--runners`` (V2, vLLM's default on GPUs, and V1, the one the CPU runs): fp32 greedy
-   tokens against transformers on the same GPU (must be identical over 32 steps), fp16 against
-   transformers fp16 (identical until the first step where transformers' own top two logprobs
-   nearly tie, ``NEAR_TIE``; counts and margins are recorded). The tokens of an eager engine
-   (``enforce_eager``) are compared with the graphs' too.
-3. ``tp2`` (two GPUs): the fp32 tokens of 2. at ``tensor_parallel_size=2`` equal TP=1's.
+   around our ops otherwise; ``eager``), prompts of 1 to 320 tokens, first each alone and then
+   all together (concurrent mixed lengths, chunked prefill at 64 tokens a step, prefix-cache hits
+   on the shared prefixes), in the GPU model runners named by ``--runners`` (V2, vLLM's default
+   on GPUs, and V1, the one the CPU runs), against transformers in the same dtype on the same GPU:
+   greedy tokens identical over 32 steps until the first step where transformers' own top two
+   logprobs nearly tie (``NEAR_TIE``; counts and margins are recorded). float32 is refused on
+   CUDA (vLLM's GDN prefill kernel has no float32); the CPU tests prove float32 bit-exactness.
+3. ``tp2`` (two GPUs): 2. at ``tensor_parallel_size=2`` in the first of ``--dtypes``, by the same
+   rule, and whether its tokens equal TP=1's.
 4. ``bench``: benchmarks/qwen38_plugin/bench_gpu.py (medium config, fp16, batches 1 / 8 / 64 / 256,
    eager and CUDA graphs, transformers, stock's bf16 model if it starts).
 
@@ -140,7 +141,7 @@ def exact(out: Path, work: Path, runners: list[str], dtypes: list[str], modes: l
         ref, margins = reference(model, dtype)
         (work / f"reference-{dtype}.json").write_text(json.dumps({"tokens": ref, "margins": margins}))
         for runner in runners:
-            for mode in [m for m in modes if dtype == "float32" or m != "eager"]:
+            for mode in modes:
                 key = f"{dtype}-{runner}-{mode}"
                 env = {**RUNNER_ENV[runner], **MODE_ENV[mode]}
                 served = engine_run(model, dtype, out, key, env, enforce_eager=mode == "eager")
@@ -160,27 +161,29 @@ def exact(out: Path, work: Path, runners: list[str], dtypes: list[str], modes: l
     return report
 
 
-def tp2(out: Path, work: Path, runners: list[str]) -> dict[str, Any]:
-    """fp32 at tensor_parallel_size=2 against TP=1's tokens from `exact` (and transformers')."""
+def tp2(out: Path, work: Path, runners: list[str], dtype: str) -> dict[str, Any]:
+    """``tensor_parallel_size=2`` against transformers (the rule of `compare`) and TP=1's tokens."""
     report: dict[str, Any] = {}
-    model = checkpoint(work, "float32")
-    ref_file = work / "reference-float32.json"
+    model = checkpoint(work, dtype)
+    ref_file = work / f"reference-{dtype}.json"
     if not ref_file.exists():
-        ref, margins = reference(model, "float32")
+        ref, margins = reference(model, dtype)
         ref_file.write_text(json.dumps({"tokens": ref, "margins": margins}))
-    ref = json.loads(ref_file.read_text())["tokens"]
+    reference_run = json.loads(ref_file.read_text())
+    ref, margins = reference_run["tokens"], reference_run["margins"]
     for runner in runners:
-        key = f"float32-{runner}-graphs-tp2"
-        served = engine_run(model, "float32", out, key, RUNNER_ENV[runner], tensor_parallel_size=2)
-        tp1_file = work / f"tokens-float32-{runner}-graphs.json"
+        key = f"{dtype}-{runner}-graphs-tp2"
+        served = engine_run(model, dtype, out, key, RUNNER_ENV[runner], tensor_parallel_size=2)
+        tp1_file = work / f"tokens-{dtype}-{runner}-graphs.json"
         tp1 = json.loads(tp1_file.read_text()) if tp1_file.exists() else None
         if served is None:
             report[key] = {"ok": False, "error": f"engine failed: see engine-{key}.log"}
         else:
-            report[key] = {"equals_tp1": served["tokens"] == tp1 if tp1 is not None else "TP=1 not run",
-                           "equals_transformers": served["tokens"] == ref and served["solo"] == ref,
+            report[key] = {"together": compare(served["tokens"], ref, margins, dtype),
+                           "solo": compare(served["solo"], ref, margins, dtype),
+                           "equals_tp1": served["tokens"] == tp1 if tp1 is not None else "TP=1 not run",
                            "seconds": served["seconds"]}  # fmt: skip
-            report[key]["ok"] = report[key]["equals_transformers"] and report[key]["equals_tp1"] is not False
+            report[key]["ok"] = report[key]["together"]["ok"] and report[key]["solo"]["ok"]
         (out / "tp2.json").write_text(json.dumps(report, indent=2))
         print(key, json.dumps(report[key]), flush=True)
     return report
@@ -198,8 +201,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--only", default=",".join(STEPS_OF_SESSION))
     parser.add_argument("--runners", default="v2,v1")
-    parser.add_argument("--dtypes", default="float32,float16", help="of the exact step")
-    parser.add_argument("--modes", default="graphs,compiled,eager", help="of the exact step (eager: fp32 only)")
+    parser.add_argument("--dtypes", default="float16,bfloat16", help="of the exact step (float32: refused on CUDA)")
+    parser.add_argument("--modes", default="graphs,compiled,eager", help="of the exact step")
     parser.add_argument("--work", type=Path, default=Path("/tmp/qwen38_gpu_session"))
     parser.add_argument("--bench-args", default="", help="extra arguments for bench_gpu.py")
     args = parser.parse_args()
@@ -226,11 +229,11 @@ def main() -> None:
         path = f"{ROOT / 'src/qwen38_plugin'}:{ROOT}:{os.environ.get('PYTHONPATH', '')}"
         summary["ops"] = run("ops", cmd, out, 420, {"PYTHONPATH": path})
         print("ops:", summary["ops"]["status"], summary["ops"]["tail"][-300:], flush=True)
+    dtypes = [d for d in args.dtypes.split(",") if d]
     if "exact" in only:
-        dtypes = [d for d in args.dtypes.split(",") if d]
         summary["exact"] = exact(out, args.work, runners, dtypes, args.modes.split(","))
     if "tp2" in only:
-        summary["tp2"] = tp2(out, args.work, runners) if gpus >= 2 else "needs two GPUs"
+        summary["tp2"] = tp2(out, args.work, runners, dtypes[0]) if gpus >= 2 else "needs two GPUs"
     if "bench" in only:
         cmd = [sys.executable, str(ROOT / "benchmarks/qwen38_plugin/bench_gpu.py"), str(out), "--stock",
                "--work", str(args.work), *args.bench_args.split()]  # fmt: skip
