@@ -5,7 +5,9 @@
   (the CPU platform runs vLLM uncompiled, so this is the only place the CPU can check it);
 - a forward dispatches the same aten ops for 2 and for 13 tokens, and the custom ops take the
   same arguments: nothing in the model loops over tokens or requests;
-- the custom ops are among vLLM's splitting ops (outside piecewise CUDA graphs).
+- the custom ops are among vLLM's splitting ops (outside piecewise CUDA graphs);
+- the QSA op with CUDA-graph padding rows after the real tokens computes and stores what it
+  does without them (the failure the H200 run found).
 
 Both without a step's metadata (as vLLM's profiling run): the custom ops then write zeros.
 The engine tests check what the model computes.
@@ -115,3 +117,83 @@ def test_custom_ops_split_vllm_piecewise_graphs(served: tuple[Any, Any]) -> None
     assert splitting is not None
     assert set(SPLITTING_OPS) <= set(splitting)
     assert len(splitting) == len(set(splitting))  # registered once, whatever the number of layers
+
+
+MAX_PAD = 11
+
+
+def _qsa_step(
+    model: Any, vllm_config: Any, tokens: int, pad: int, seed: int
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One prefill step of two requests through the first QSA layer's op (`attend`), on fresh
+    caches, with ``pad`` extra rows (vLLM's CUDA-graph padding) after the real tokens: returns
+    the op's output rows and the three caches afterwards."""
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from qwen38_plugin.vllm_qsa import PortableQSAAttention
+    from qwen38_plugin.vllm_qsa_cache import QSAMetadataBuilder
+
+    attn = next(m for m in model.modules() if isinstance(m, PortableQSAAttention))
+    cache = attn.cache
+    assert cache.block_keys is not None and cache.ring is not None
+    block_size = vllm_config.cache_config.block_size
+    lens = [tokens - tokens // 3, tokens // 3]
+    qsl = torch.tensor([0, lens[0], tokens], dtype=torch.int32)
+    blocks_per_req = -(-max(lens) // block_size)
+    block_table = torch.arange(1, 1 + 2 * blocks_per_req, dtype=torch.int32).view(2, blocks_per_req)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    req = torch.repeat_interleave(torch.arange(2), torch.tensor(lens))
+    slot_mapping = (block_table[req, positions // block_size] * block_size + positions % block_size).long()
+    gen = torch.Generator().manual_seed(seed)
+    d, hq, hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    assert attn.indexer is not None, "the tiny checkpoint's QSA layers have an indexer"
+    di = attn.indexer.head_dim
+    ring_rows, ratio = cache.ring.capacity, cache.ratio
+    layers = {
+        cache.prefix: (cache, torch.zeros(1 + 2 * blocks_per_req, hkv, block_size, 2 * d)),
+        cache.block_keys.prefix: (cache.block_keys, torch.zeros(1 + 2 * blocks_per_req, 1, block_size // ratio, di)),
+        cache.ring.prefix: (cache.ring, torch.zeros(3, 1, ring_rows, di)),
+    }
+    tables = {cache.prefix: block_table, cache.block_keys.prefix: block_table,
+              cache.ring.prefix: torch.tensor([[1], [2]], dtype=torch.int32)}  # fmt: skip
+    metadata = {}
+    for name, (layer, tensor) in layers.items():
+        layer.bind_kv_cache(tensor)
+        spec = layer.get_kv_cache_spec(vllm_config)
+        builder = QSAMetadataBuilder(spec, [name], vllm_config, torch.device("cpu"))
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+            num_reqs=2, num_actual_tokens=tokens, max_query_len=max(lens), max_seq_len=max(lens),
+            block_table_tensor=tables[name], slot_mapping=slot_mapping if name == cache.prefix else slot_mapping * 0,
+        )  # fmt: skip
+        if pad:  # a step padded for a CUDA graph after a larger one: stale values must not be read
+            builder._slots.fill_(3)
+            builder._token_req.fill_(0)
+        metadata[name] = builder.build(0, common)
+    rows, drawn = tokens + pad, tokens + MAX_PAD  # the same draws whatever the padding
+    q = torch.randn(drawn, hq, d, generator=gen)[:rows]
+    gate = torch.randn(drawn, hq * d, generator=gen)[:rows]
+    k, v = torch.randn(drawn, hkv, d, generator=gen)[:rows], torch.randn(drawn, hkv, d, generator=gen)[:rows]
+    assert attn.indexer is not None
+    index_q = torch.randn(drawn, attn.indexer.num_heads, di, generator=gen)[:rows]
+    raw_keys = torch.randn(drawn, di, generator=gen)[:rows]
+    all_positions = torch.cat([positions, torch.zeros(pad, dtype=torch.long)])
+    out = torch.full((rows, hq * d), float("nan"))
+    with set_forward_context(metadata, vllm_config), torch.no_grad():
+        attn.attend(q, gate, k, v, index_q, raw_keys, all_positions, out)
+    return out, [tensor.clone() for _, tensor in layers.values()]
+
+
+def test_qsa_op_ignores_cuda_graph_padding_rows(served: tuple[Any, Any]) -> None:
+    """vLLM pads a step's tokens to a CUDA-graph size while the metadata covers the real ones
+    (found on an H200): the padded rows change nothing the real rows see or store, and get zeros."""
+    model, vllm_config = served
+    tokens = 37
+    plain_out, plain_caches = _qsa_step(model, vllm_config, tokens, pad=0, seed=3)
+    padded_out, padded_caches = _qsa_step(model, vllm_config, tokens, pad=MAX_PAD, seed=3)
+    assert torch.isfinite(plain_out).all()
+    assert torch.equal(padded_out[tokens:], torch.zeros_like(padded_out[tokens:]))
+    for plain, padded in zip(plain_caches, padded_caches, strict=True):
+        assert torch.equal(plain, padded)
+    assert torch.equal(plain_out, padded_out[:tokens])
