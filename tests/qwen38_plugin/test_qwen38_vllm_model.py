@@ -9,7 +9,7 @@
 - the QSA op with CUDA-graph padding rows after the real tokens computes and stores what it
   does without them (the failure the H200 run found).
 
-Both without a step's metadata (as vLLM's profiling run): the custom ops then write zeros.
+The first two run without a step's metadata (as vLLM's profiling run): the custom ops then write zeros.
 The engine tests check what the model computes.
 """
 
