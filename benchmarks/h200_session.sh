@@ -58,7 +58,8 @@ b)
     ;;
 c)
     # the V1 runner on GPU 1 while CSF's TP=1 serving runs on GPU 0; then CSF's two-GPU steps
-    CUDA_VISIBLE_DEVICES=1 timeout $(lim 300) $q38 "$res/exact-v1" --only exact --runners v1 --work $work/q38 \
+    CUDA_VISIBLE_DEVICES=1 timeout $(lim 300) $q38 "$res/exact-v1" --only exact --runners v1 --dtypes float16 \
+        --modes graphs,eager --work $work/q38 \
         >"$res/gpu1.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=0 timeout $(lim 250) $csf "$res/csf-serve" --only kernels,serve --budget 240 \
         --work $work/csf \
