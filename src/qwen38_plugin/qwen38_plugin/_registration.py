@@ -82,6 +82,9 @@ def register_with_vllm() -> list[str]:
 
     if install_cpu_seeded_sampling_fix() != "not CPU":
         registered.append("CPU seeded-sampling fix")
+    from qwen38_plugin.vllm_multimodal import install as install_multimodal_defaults
+
+    registered += [f"multimodal defaults for {name}" for name in install_multimodal_defaults()]
     from vllm import ModelRegistry
 
     # A lazy "module:Class" reference: vLLM imports the dispatcher only when it inspects or
