@@ -67,7 +67,9 @@ def test_every_plugin_registers_in_api_server_engine_core_and_worker(all_plugins
     qwen38_registered = {what for _, what in seen["qwen38_plugin"].values()}
     assert qwen38_registered == {
         "transformers config qwen3_8_flash_next_text, transformers config qwen3_8_flash_next, "
-        "CPU seeded-sampling fix, portable Qwen4ExpForCausalLM (CPU platform)"
+        "CPU seeded-sampling fix, multimodal defaults for Qwen4ExpForConditionalGeneration, "
+        "Qwen4ExpForConditionalGeneration (stock's, encoder outputs owning their memory), "
+        "portable Qwen4ExpForCausalLM (CPU platform)"
     }
 
 

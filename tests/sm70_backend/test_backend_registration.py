@@ -91,6 +91,16 @@ for cap in [(7, 0), (7, 5)]:
 P.get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(7, 0))
 out["explicit"] = [explicit(sel(head_size=72)), explicit(sel(dtype=torch.bfloat16)), explicit(sel(block_size=24)),
                    explicit(sel(kv_cache_dtype="fp8")), explicit(sel())]
+
+def mm(backend, multimodal=True):
+    model_config = types.SimpleNamespace(multimodal_config=object() if multimodal else None)
+    return types.SimpleNamespace(model_config=model_config, attention_config=types.SimpleNamespace(backend=backend))
+
+owns = lambda: [P.owns_multimodal_default(mm(None)), P.owns_multimodal_default(mm("FLASH_ATTN_V100")),
+                P.owns_multimodal_default(mm("TRITON_ATTN")), P.owns_multimodal_default(mm(None, multimodal=False))]
+out["owns_mm_7.0"] = owns()
+P.get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(8, 0))
+out["owns_mm_8.0"] = owns()
 print(json.dumps(out))
 """
 
@@ -114,6 +124,10 @@ def test_sm70_platform_chooses_flash_v100_and_names_refusals() -> None:
     assert "block size 24 not supported (supported: multiples of 16)" in block
     assert "KV cache dtype fp8 not supported (supported: auto, float16)" in kv_dtype
     assert fine == path
+    # Where its multimodal default (1 image, no video) applies, it says so to a model's own default
+    # (qwen38_plugin's Qwen4Exp limits): FLASH_ATTN_V100, chosen or automatic, on 7.x, multimodal.
+    assert out["owns_mm_7.0"] == [True, True, False, False]
+    assert out["owns_mm_8.0"] == [False, False, False, False]
 
 
 def test_not_chosen_for_layers_it_cannot_serve(registered: list[str]) -> None:

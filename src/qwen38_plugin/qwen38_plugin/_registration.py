@@ -37,6 +37,8 @@ def _announce(message: str) -> None:
 
 # The dispatcher picks stock's or our implementation per model (platform, capability, dtype).
 DISPATCH_MODEL = "qwen38_plugin.vllm_dispatch:Qwen4ExpForCausalLM"
+MM_ARCHITECTURE = "Qwen4ExpForConditionalGeneration"
+MM_MODEL = "qwen38_plugin.vllm_mm_model:Qwen4ExpForConditionalGeneration"
 
 
 def portable_model_reason() -> str | None:
@@ -82,11 +84,17 @@ def register_with_vllm() -> list[str]:
 
     if install_cpu_seeded_sampling_fix() != "not CPU":
         registered.append("CPU seeded-sampling fix")
+    from qwen38_plugin.vllm_multimodal import install as install_multimodal_defaults
+
+    registered += [f"multimodal defaults for {name}" for name in install_multimodal_defaults()]
     from vllm import ModelRegistry
 
     # A lazy "module:Class" reference: vLLM imports the dispatcher only when it inspects or
     # builds the architecture; the dispatcher logs which implementation it chose and why.
     ModelRegistry.register_model(ARCHITECTURE, DISPATCH_MODEL)
+    # Stock's multimodal model, with encoder outputs that own their memory (issue 13 item 5).
+    ModelRegistry.register_model(MM_ARCHITECTURE, MM_MODEL)
+    registered.append(f"{MM_ARCHITECTURE} (stock's, encoder outputs owning their memory)")
     registered.append(summary)
 
     _announce(

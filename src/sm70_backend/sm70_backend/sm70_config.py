@@ -58,6 +58,13 @@ def _uses_flash_v100(vllm_config: Any) -> bool:
     return backend is None or getattr(backend, "name", backend) == BACKEND_NAME
 
 
+def mm_default_applies(vllm_config: Any) -> bool:
+    """Whether the SM70 multimodal default (R14) governs this config's per-request limits."""
+    model_config = getattr(vllm_config, "model_config", None)
+    mm_config = getattr(model_config, "multimodal_config", None)
+    return mm_config is not None and _uses_flash_v100(vllm_config)
+
+
 def apply_quirks(vllm_config: Any, capability: tuple[int, int]) -> None:
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is None:
@@ -69,7 +76,7 @@ def apply_quirks(vllm_config: Any, capability: tuple[int, int]) -> None:
     if model_config.dtype == torch.float16:
         _check_fp16_range(model_config)
     mm_config = getattr(model_config, "multimodal_config", None)
-    if mm_config is not None and _uses_flash_v100(vllm_config):
+    if mm_config is not None and mm_default_applies(vllm_config):
         current = {name: options.count for name, options in mm_config.limit_per_prompt.items()}
         limits, message = quirks.sm70_mm_limits(current)
         if message:

@@ -9,6 +9,9 @@ files stay untouched. Only two class methods differ from stock's `NvmlCudaPlatfo
   supported sets).
 - `check_and_update_config`: stock's, then `sm70_config.apply_quirks` (bf16 -> fp16, the fp16
   range scan, the multimodal default).
+It adds one: `owns_multimodal_default(vllm_config)`, true where that multimodal default applies,
+so a model's own default limits (qwen38_plugin's for Qwen4Exp, set in the architecture's config
+hook, which vLLM runs before the platform's) leave the limits to it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 from vllm.platforms.cuda import NvmlCudaPlatform
 
-from sm70_backend.sm70_config import apply_quirks, auto_backend
+from sm70_backend.sm70_config import apply_quirks, auto_backend, mm_default_applies
 
 
 class Sm70CudaPlatform(NvmlCudaPlatform):
@@ -37,3 +40,9 @@ class Sm70CudaPlatform(NvmlCudaPlatform):
         capability = cls.get_device_capability()
         if capability is not None:
             apply_quirks(vllm_config, (capability.major, capability.minor))
+
+    @classmethod
+    def owns_multimodal_default(cls, vllm_config: Any) -> bool:
+        """Whether `check_and_update_config` sets the SM70 multimodal limits (1 image, no video)."""
+        capability = cls.get_device_capability()
+        return capability is not None and capability.major == 7 and mm_default_applies(vllm_config)
