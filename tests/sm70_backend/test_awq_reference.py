@@ -119,7 +119,9 @@ def test_moe_reference_against_a_token_loop() -> None:
 
 
 @pytest.mark.parametrize(("tokens", "top_k", "num_experts", "block_m"), [(1, 1, 4, 64), (9, 2, 5, 4), (40, 8, 16, 16)])
-def test_align_block_size_sorts_rows_into_expert_blocks(tokens: int, top_k: int, num_experts: int, block_m: int) -> None:
+def test_align_block_size_sorts_rows_into_expert_blocks(
+    tokens: int, top_k: int, num_experts: int, block_m: int
+) -> None:
     g = torch.Generator().manual_seed(tokens)
     topk_ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)]).to(torch.int32)
     sorted_ids, expert_ids, total = ref.align_block_size(topk_ids, num_experts, block_m)

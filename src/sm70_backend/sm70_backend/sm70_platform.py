@@ -8,7 +8,8 @@ files stay untouched. Only two class methods differ from stock's `NvmlCudaPlatfo
   (FLASH_ATTN_V100 explicitly chosen for an unsupported layer fails at startup, naming the
   supported sets).
 - `check_and_update_config`: stock's, then `sm70_config.apply_quirks` (bf16 -> fp16, the fp16
-  range scan, the multimodal default).
+  range scan, the multimodal default), and stock's default GPU worker replaced by
+  `worker.Sm70Worker` (stock's, refusing weight reloads of SM70 AWQ models before any change).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from vllm.platforms.cuda import NvmlCudaPlatform
 
-from sm70_backend.sm70_config import apply_quirks, auto_backend
+from sm70_backend.sm70_config import apply_quirks, auto_backend, use_sm70_worker
 
 
 class Sm70CudaPlatform(NvmlCudaPlatform):
@@ -37,3 +38,4 @@ class Sm70CudaPlatform(NvmlCudaPlatform):
         capability = cls.get_device_capability()
         if capability is not None:
             apply_quirks(vllm_config, (capability.major, capability.minor))
+        use_sm70_worker(vllm_config)

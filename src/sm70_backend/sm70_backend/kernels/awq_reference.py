@@ -56,7 +56,11 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 
 
 def awq_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x [..., K] @ W`` with fp32 accumulation, rounded to ``out_dtype`` (``x``'s dtype by default)."""
     w = dequantize(qweight, qzeros, scales)
@@ -137,7 +141,7 @@ def moe_reference(
     with the router weights. ``w13 = (qweight [E, H, 2I/8], qzeros [E, H/g, 2I/8], scales [E, H/g, 2I])``
     (gate columns then up columns), ``w2 = (.. [E, I, H/8], .. [E, I/g, H/8], .. [E, I/g, H])``.
     fp32 accumulation, the intermediate rounded to ``x``'s dtype as the kernels do."""
-    num_tokens, top_k = topk_ids.shape
+    num_tokens = topk_ids.shape[0]
     out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
     num_experts = w13[0].shape[0]
     for e in range(num_experts):
