@@ -106,20 +106,23 @@ def align_block_size(
     capacity = (capacity + block_m - 1) // block_m * block_m
     device = topk_ids.device
     valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, torch.full_like(flat, num_experts))
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts))  # num_experts: dropped
+    # No data-dependent shapes and no host syncs (no bincount, no boolean indexing): capturable.
+    counts_all = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, key, torch.ones_like(key)
+    )
+    counts = counts_all[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     starts = torch.cumsum(padded, 0) - padded
     order = torch.argsort(key, stable=True)
     sorted_key = key[order]
-    first_of_key = torch.cumsum(torch.bincount(key, minlength=num_experts + 1), 0) - torch.bincount(
-        key, minlength=num_experts + 1
-    )
-    rank = torch.arange(numel, device=device) - first_of_key[sorted_key]
-    keep = sorted_key < num_experts
-    dest = starts[sorted_key.clamp(max=num_experts - 1)] + rank
-    sorted_ids = torch.full((capacity,), numel, dtype=torch.int32, device=device)
-    sorted_ids[dest[keep]] = order[keep].to(torch.int32)
+    rank = torch.arange(numel, device=device) - (torch.cumsum(counts_all, 0) - counts_all)[sorted_key]
+    dest = torch.where(
+        sorted_key < num_experts, starts[sorted_key.clamp(max=num_experts - 1)] + rank, torch.full_like(rank, capacity)
+    )  # a dropped row goes to a spare slot past the end
+    buffer = torch.full((capacity + 1,), numel, dtype=torch.int32, device=device)
+    buffer.scatter_(0, dest, order.to(torch.int32))
+    sorted_ids = buffer[:capacity]
     num_blocks = capacity // block_m
     block_starts = torch.arange(num_blocks, device=device) * block_m
     ends = starts + padded
