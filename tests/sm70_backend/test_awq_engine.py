@@ -1,16 +1,18 @@
-"""A tiny AWQ Qwen3 served by a real stock vLLM engine on CPU through the SM70 AWQ method.
+"""A tiny AWQ Qwen3 and a tiny AWQ Qwen3-MoE served by a real stock vLLM engine on CPU through the
+SM70 AWQ method (every decoder linear layer and every routed expert quantized, group size 32).
 
 What is honest on a CPU: the engine runs ``--quantization awq_sm70`` (asked for by name; on a
 CPU stock's own AWQ path is chosen otherwise, see test_awq_config.py), so vLLM's model, weight
 loaders (qkv / gate-up merging of AWQ shards), our layers and the plain-torch reference run end
-to end. The CUDA kernels do not run here (test_awq_cuda.py, on a GPU); that the method is chosen
+to end,
+for the MoE model through vLLM's MoE layer, its expert weight loader and runner. The CUDA kernels do not run here (test_awq_cuda.py, on a GPU); that the method is chosen
 on compute capability 7.x is shown on vLLM's config objects (test_awq_config.py).
 
 Oracle: transformers' Qwen3ForCausalLM in fp32 on the dequantized fp16 twin of the checkpoint,
 teacher-forced on vLLM's prompt and greedy tokens. vLLM computes in fp16, so logprobs agree
-within fp16 tolerance (0.01 absolute; measured 2026-11-30: 4e-4), and each greedy token is the
+within fp16 tolerance (0.01 absolute; measured 2026-11-30: 4e-4 dense, 7e-4 MoE), and each greedy token is the
 oracle's argmax up to that. The same oracle on the unquantized original weights is off by more
-(measured: 0.08), so the check tells the dequantized model from the original.
+(measured: 0.08 dense, 0.07 MoE), so the check tells the dequantized model from the original.
 """
 
 from __future__ import annotations
@@ -33,11 +35,26 @@ LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 TOL = 0.01
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    awq_dir, fp16_dir = build_awq_pair(
-        build_cached_checkpoint("qwen3", dtype="float16"), CACHE / "awq_sm70" / "qwen3-g32"
-    )
+def source_checkpoint(model: str) -> Path:
+    if model == "qwen3":
+        return build_cached_checkpoint("qwen3", dtype="float16")
+    from tests.csf_loader.tiny_moe import build_tiny_qwen3_moe
+
+    out = CACHE / "awq_sm70" / "qwen3_moe-source"
+    if not out.is_dir():
+        build_tiny_qwen3_moe(out)
+    return out
+
+
+# (model, decoder layers x linear layers per layer, routed-expert layers)
+MODELS = {"qwen3": (8, 0), "qwen3_moe": (4, 2)}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model = request.param
+    source = source_checkpoint(model)
+    awq_dir, fp16_dir = build_awq_pair(source, CACHE / "awq_sm70" / f"{model}-g32")
     out = tmp_path_factory.mktemp("awq_engine") / "engine.json"
     env = dict(
         os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1"
@@ -47,14 +64,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]
     data: dict[str, Any] = json.loads(out.read_text())
-    data["log"], data["fp16_dir"] = log, fp16_dir
+    data["log"], data["fp16_dir"], data["source"], data["model"] = log, fp16_dir, source, model
     return data
 
 
 def test_vllm_chose_awq_sm70_for_every_decoder_linear_layer(served: dict[str, Any]) -> None:
     assert served["quantization"] == "awq_sm70"
-    linear = {n: m for n, m in served["methods"].items() if ".layers." in n}
-    assert len(linear) == 8 and set(linear.values()) == {"Sm70AwqLinearMethod"}, served["methods"]
+    layers = {n: m for n, m in served["methods"].items() if ".layers." in n and not n.endswith("mlp.gate")}
+    linear, moe = MODELS[served["model"]]
+    assert sorted(layers.values()) == sorted(["Sm70AwqLinearMethod"] * linear + ["Sm70AwqMoEMethod"] * moe), layers
     assert "AWQ layers run through awq_sm70 (group size 32)" in served["log"]
 
 
@@ -81,5 +99,4 @@ def worst_logprob_error(served: dict[str, Any], checkpoint: Path, check_greedy: 
 
 def test_logprobs_equal_the_dequantized_fp16_model(served: dict[str, Any]) -> None:
     assert worst_logprob_error(served, served["fp16_dir"], check_greedy=True) <= TOL
-    original = build_cached_checkpoint("qwen3", dtype="float16")  # before AWQ quantization
-    assert worst_logprob_error(served, original, check_greedy=False) > TOL
+    assert worst_logprob_error(served, served["source"], check_greedy=False) > TOL  # before AWQ quantization

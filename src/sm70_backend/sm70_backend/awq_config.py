@@ -125,6 +125,28 @@ class Sm70AwqConfig(QuantizationConfig):
             return QUANT_NAME
         return None
 
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
+        if self.modules_to_not_convert:
+            self.modules_to_not_convert = hf_to_vllm_mapper.apply_list(self.modules_to_not_convert)
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        """As stock's AWQ: without ``modules_to_not_convert``, every layer whose checkpoint tensors are
+        all floating point (e.g. a MoE router ``mlp.gate``) stays unquantized."""
+        if self.modules_to_not_convert:
+            return
+        from safetensors.torch import _TYPES
+        from vllm.transformers_utils.config import get_safetensors_params_metadata
+
+        floating = (torch.float16, torch.bfloat16, torch.float32)
+        metadata = get_safetensors_params_metadata(model_name, revision=revision)
+        layers = {name.rsplit(".", 1)[0] for name in metadata}
+        quantized = {
+            name.rsplit(".", 1)[0]
+            for name, info in metadata.items()
+            if (dtype := info.get("dtype")) and _TYPES[dtype] not in floating
+        }
+        self.modules_to_not_convert = sorted(layers - quantized)
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
         if isinstance(layer, LinearBase | RoutedExperts) and not _announced:
             _announced.append(True)
