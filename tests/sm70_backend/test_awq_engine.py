@@ -3,16 +3,16 @@ SM70 AWQ method (every decoder linear layer and every routed expert quantized, g
 
 What is honest on a CPU: the engine runs ``--quantization awq_sm70`` (asked for by name; on a
 CPU stock's own AWQ path is chosen otherwise, see test_awq_config.py), so vLLM's model, weight
-loaders (qkv / gate-up merging of AWQ shards), our layers and the plain-torch reference run end
-to end,
-for the MoE model through vLLM's MoE layer, its expert weight loader and runner. The CUDA kernels do not run here (test_awq_cuda.py, on a GPU); that the method is chosen
-on compute capability 7.x is shown on vLLM's config objects (test_awq_config.py).
+loaders (qkv / gate-up merging of AWQ shards; for the MoE model vLLM's MoE layer, its expert
+weight loader and runner), our layers and the plain-torch reference run end to end. The CUDA
+kernels do not run here (test_awq_cuda.py, on a GPU); that the method is chosen on compute
+capability 7.x is shown on vLLM's config objects (test_awq_config.py).
 
-Oracle: transformers' Qwen3ForCausalLM in fp32 on the dequantized fp16 twin of the checkpoint,
-teacher-forced on vLLM's prompt and greedy tokens. vLLM computes in fp16, so logprobs agree
-within fp16 tolerance (0.01 absolute; measured 2026-11-30: 4e-4 dense, 7e-4 MoE), and each greedy token is the
-oracle's argmax up to that. The same oracle on the unquantized original weights is off by more
-(measured: 0.08 dense, 0.07 MoE), so the check tells the dequantized model from the original.
+Oracle: transformers (fp32) on the dequantized fp16 twin of the checkpoint, teacher-forced on
+vLLM's prompt and greedy tokens. vLLM computes in fp16, so logprobs agree within fp16 tolerance
+(0.01 absolute; measured 2026-11-30: 4e-4 dense, 7e-4 MoE), and each greedy token is the oracle's
+argmax up to that. The same oracle on the unquantized original weights is off by more (measured:
+0.08 dense, 0.07 MoE), so the check tells the dequantized model from the original.
 """
 
 from __future__ import annotations
