@@ -42,6 +42,17 @@ def register_attention_backend() -> str:
     return f"attention backend {BACKEND_NAME}"
 
 
+def register_awq() -> str:
+    """The SM70 AWQ method as quantization ``awq_sm70`` (stock's ``awq`` is left as it is): it claims
+    AWQ checkpoints on compute capability 7.x only, through ``override_quantization_method``."""
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from sm70_backend.awq_config import QUANT_NAME, Sm70AwqConfig
+
+    register_quantization_config(QUANT_NAME)(Sm70AwqConfig)
+    return f"quantization {QUANT_NAME!r}"
+
+
 def register_with_vllm() -> list[str]:
     import vllm
 
@@ -54,7 +65,7 @@ def register_with_vllm() -> list[str]:
         )
     from sm70_backend.envs import register_with_vllm_envs
 
-    registered = [f"env {', '.join(register_with_vllm_envs())}", register_attention_backend()]
+    registered = [f"env {', '.join(register_with_vllm_envs())}", register_attention_backend(), register_awq()]
     _announce(
         f"sm70_backend {__version__} registered in process {multiprocessing.current_process().name} "
         f"(pid {os.getpid()}): {'; '.join(registered)}"

@@ -52,6 +52,13 @@ def auto_backend(capability: Any, attn_selector_config: Any) -> str | None:
     return AttentionBackendEnum[BACKEND_NAME].get_path()
 
 
+def use_sm70_worker(vllm_config: Any) -> None:
+    """Stock's default GPU worker -> `worker.Sm70Worker` (a worker the user chose is kept)."""
+    parallel_config = getattr(vllm_config, "parallel_config", None)
+    if parallel_config is not None and parallel_config.worker_cls == "vllm.v1.worker.gpu_worker.Worker":
+        parallel_config.worker_cls = "sm70_backend.worker.Sm70Worker"
+
+
 def _uses_flash_v100(vllm_config: Any) -> bool:
     attention_config = getattr(vllm_config, "attention_config", None)
     backend = getattr(attention_config, "backend", None)

@@ -8,7 +8,8 @@ files stay untouched. Only two class methods differ from stock's `NvmlCudaPlatfo
   (FLASH_ATTN_V100 explicitly chosen for an unsupported layer fails at startup, naming the
   supported sets).
 - `check_and_update_config`: stock's, then `sm70_config.apply_quirks` (bf16 -> fp16, the fp16
-  range scan, the multimodal default).
+  range scan, the multimodal default), and stock's default GPU worker replaced by
+  `worker.Sm70Worker` (stock's, refusing weight reloads of SM70 AWQ models before any change).
 It adds one: `owns_multimodal_default(vllm_config)`, true where that multimodal default applies,
 so a model's own default limits (qwen38_plugin's for Qwen4Exp, set in the architecture's config
 hook, which vLLM runs before the platform's) leave the limits to it.
@@ -20,7 +21,7 @@ from typing import Any
 
 from vllm.platforms.cuda import NvmlCudaPlatform
 
-from sm70_backend.sm70_config import apply_quirks, auto_backend, mm_default_applies
+from sm70_backend.sm70_config import apply_quirks, auto_backend, mm_default_applies, use_sm70_worker
 
 
 class Sm70CudaPlatform(NvmlCudaPlatform):
@@ -40,6 +41,7 @@ class Sm70CudaPlatform(NvmlCudaPlatform):
         capability = cls.get_device_capability()
         if capability is not None:
             apply_quirks(vllm_config, (capability.major, capability.minor))
+        use_sm70_worker(vllm_config)
 
     @classmethod
     def owns_multimodal_default(cls, vllm_config: Any) -> bool:
