@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tests.engines import IN_PROCESS
 from tests.qwen38_plugin.qwen38_reference import (
     NEAR_TIE,
     assert_greedy_equal_until_near_tie,
@@ -28,8 +29,8 @@ EOS = 248046
 
 
 def run_engine(model: Path, dtype: str, prompts: list[list[int]], **llm_kwargs: Any) -> list[list[int]]:
-    """Greedy tokens from a vLLM engine started in a subprocess (engines spawn processes)."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    """Greedy tokens from a vLLM engine started in a subprocess (its engine core in that process)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     args = [str(model), dtype, str(STEPS), json.dumps(prompts), json.dumps(llm_kwargs)]
     cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
