@@ -1,7 +1,11 @@
 """Stock vLLM (CPU) serving tiny Qwen4Exp checkpoints through the plugin's portable model:
-greedy tokens equal transformers' greedy tokens, with several concurrent requests of mixed
-lengths and chunked prefill (a step budget smaller than the prompts), in fp32 and in bf16
-(the latter through the `qwen3_8_flash_next_text` alias checkpoint)."""
+greedy tokens follow transformers' greedy tokens, with several concurrent requests of mixed
+lengths and chunked prefill (a step budget smaller than the prompts), in bf16 through the
+`qwen3_8_flash_next_text` alias checkpoint.
+
+The same in fp32, where the tokens must equal transformers' exactly, runs on the server of
+test_qwen38_vllm_server.py (the engine arguments this module used: fp32, a 32-token step budget,
+prefix caching on) and at TP=1 and TP=2 in test_qwen38_tp_engine.py (eager, preempted)."""
 
 from __future__ import annotations
 
@@ -59,13 +63,6 @@ def mixed_prompts(seed: int) -> list[list[int]]:
     prompts = [torch.randint(0, 248_000, (n,), generator=gen).tolist() for n in (1, 3, 29, 70, 45)]
     prompts[3][33] = EOS
     return prompts
-
-
-def test_fp32_concurrent_chunked_prefill_equals_transformers(tiny_checkpoint: Callable[..., Path]) -> None:
-    model = tiny_checkpoint("qwen4_exp_text", dtype="float32")
-    prompts = mixed_prompts(0)
-    served = run_engine(model, "float32", prompts, max_num_batched_tokens=32, max_num_seqs=8)
-    assert served == reference_greedy(model, prompts, torch.float32)
 
 
 def test_bf16_alias_checkpoint_concurrent_chunked_prefill_follows_transformers(
