@@ -59,12 +59,20 @@ def make_venv(base: Path, site_view: Path) -> Path:
     return venv
 
 
+def test_the_environment_starts_without_our_plugins(tmp_path: Path, vllm_without_our_plugins: Path) -> None:
+    # What every test below starts from (make_venv gives each the same environment): vLLM and its
+    # dependencies, none of our distributions.
+    venv = make_venv(tmp_path, vllm_without_our_plugins)
+    before = subprocess.run([venv / "bin" / "python", "-c", PROBE], capture_output=True, text=True, check=True)
+    result = json.loads(before.stdout.splitlines()[-1])
+    assert result["ours"] == []
+    assert [name for name in result["entry_points"] if not name.startswith("lora")] == []
+
+
 @pytest.mark.parametrize("plugin", PLUGINS)
 def test_plugin_installs_alone_and_registers(tmp_path: Path, vllm_without_our_plugins: Path, plugin: str) -> None:
     venv = make_venv(tmp_path, vllm_without_our_plugins)
     python = venv / "bin" / "python"
-    before = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, check=True)
-    assert json.loads(before.stdout.splitlines()[-1])["ours"] == []
     # The dev environment's pip and setuptools do the install; dependencies (torch, transformers,
     # ...) are already present, so nothing is downloaded and vLLM is left as it is.
     install = subprocess.run(

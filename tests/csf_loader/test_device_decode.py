@@ -56,8 +56,11 @@ def test_loader_decodes_on_the_device_of_the_parameters(monkeypatch: pytest.Monk
 
 
 def test_device_path_equals_host_path_under_interpreter() -> None:
-    # TRITON_INTERPRET is read when the kernels are decorated: a fresh process.
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # TRITON_INTERPRET is read when the kernels are decorated: a fresh process. The script imports
+    # tests.csf_loader.toy_checkpoints: the repository root goes on its path (pytest puts it on
+    # this process's sys.path only).
+    pythonpath = os.pathsep.join(filter(None, [str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath)
     cmd = [sys.executable, str(HERE / "device_path_check.py"), "cpu"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from csf_loader.convert import main as csf_convert
 from csf_loader.quantize import quantize_checkpoint
+from tests.engines import IN_PROCESS
 
 SCRIPT = Path(__file__).with_name("engine_run.py")
 LOCK = "/tmp/qwen38-vllm.lock"
@@ -26,6 +27,7 @@ def run_engine(model: Path, tp: int, load_format: str, out: Path) -> dict[str, A
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0",
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        **IN_PROCESS,
     )
     cmd = ["flock", LOCK, sys.executable, str(SCRIPT), str(model), str(tp), load_format, str(out)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)

@@ -32,6 +32,7 @@ from safetensors import safe_open
 
 from csf_loader.convert import main as csf_convert
 from tests.csf_loader.tiny_moe import build_mxfp4_moe
+from tests.engines import IN_PROCESS
 
 HERE = Path(__file__).parent
 LOCK = "/tmp/qwen38-vllm.lock"
@@ -50,6 +51,7 @@ def start_engine(model: Path, tp: int, dump: Path, load_format: str = "csf", for
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
         CSF_TEST_DUMP_DIR=str(dump),
         CSF_TEST_FAKE_AMX="1",
+        **IN_PROCESS,
         PYTHONPATH=os.pathsep.join([str(HERE / "mxfp4_hook"), os.environ.get("PYTHONPATH", "")]),
     )
     out = dump / "engine.json"

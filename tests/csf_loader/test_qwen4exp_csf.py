@@ -31,6 +31,7 @@ import torch
 
 from csf_loader.convert import main as csf_convert
 from tests.csf_loader.tiny_qwen4exp import quantize_qwen4exp_nvfp4
+from tests.engines import IN_PROCESS
 
 HERE = Path(__file__).parent
 LOCK = "/tmp/qwen38-vllm.lock"
@@ -44,6 +45,7 @@ def run_engine(model: Path, load_format: str, out: Path, env: dict[str, str] | N
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND="0",
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        **IN_PROCESS,
         **(env or {}),
     )
     run = [sys.executable, str(HERE / "engine_run.py"), str(model), "1", load_format, str(out), "dtype=float16"]

@@ -23,6 +23,7 @@ import torch
 
 from qwen38_plugin import dispatch
 from qwen38_plugin.dispatch import FORCE_ENV, DispatchError, Target, decide, target_of
+from tests.engines import IN_PROCESS
 
 HERE = Path(__file__).resolve().parent
 CUDA_90, CUDA_70, ROCM = ("cuda", (9, 0)), ("cuda", (7, 0)), ("rocm", None)
@@ -174,7 +175,7 @@ def test_cpu_engine_serves_fp16_through_the_portable_model(tiny_checkpoint: Call
     model = tiny_checkpoint("qwen4_exp_text")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 248_000, (n,), generator=gen).tolist() for n in (2, 21)]
-    env = {k: v for k, v in os.environ.items() if k != FORCE_ENV} | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {k: v for k, v in os.environ.items() if k != FORCE_ENV} | {"VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     args = [str(model), "float16", str(STEPS), json.dumps(prompts), json.dumps({"max_num_seqs": 4})]
     cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)

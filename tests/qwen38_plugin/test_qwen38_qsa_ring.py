@@ -26,6 +26,7 @@ import torch
 from transformers import AutoConfig
 
 from qwen38_plugin.ops import qsa
+from tests.engines import IN_PROCESS
 from tests.qwen38_plugin.test_qwen38_vllm_engine import STEPS, mixed_prompts, reference_greedy
 
 HERE = Path(__file__).resolve().parent
@@ -131,11 +132,9 @@ def test_cache_layers_declare_the_widened_ring(
 # --------------------------------------------------------------------------------------------
 
 
-def _engine(
-    model: Path, prompts: list[list[int]], env: dict[str, str] | None = None, **llm_kwargs: Any
-) -> tuple[int, list[list[int]] | None, str]:
+def _engine(model: Path, prompts: list[list[int]], **llm_kwargs: Any) -> tuple[int, list[list[int]] | None, str]:
     """(exit status, greedy tokens or None, the whole log) of an engine run in a subprocess."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     args = [str(model), "float32", str(STEPS), json.dumps(prompts), json.dumps(llm_kwargs)]
     cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
@@ -163,10 +162,8 @@ def test_engine_picks_a_block_size_the_ring_divides(tiny_checkpoint: Callable[..
 
 
 def test_engine_refuses_a_block_size_no_ring_divides(tiny_checkpoint: Callable[..., Path]) -> None:
-    # ratio 4: 250 is not a multiple of it, so no ring of whole groups divides it. The engine core
-    # runs in the test's subprocess (no second process to spawn): the start fails in half the time.
+    # ratio 4: 250 is not a multiple of it, so no ring of whole groups divides it.
     model = tiny_checkpoint("qwen4_exp_text", dtype="float32")
-    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    status, served, log = _engine(model, [[1, 2, 3]], env=in_process, block_size=250)
+    status, served, log = _engine(model, [[1, 2, 3]], block_size=250)
     assert status != 0 and served is None
     assert "divides the attention block size 250; use a --block-size that is a multiple of 4" in log, log[-3000:]

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.engines import IN_PROCESS
 from tests.qwen38_plugin.test_qwen38_vllm_engine import STEPS, mixed_prompts, reference_greedy
 
 HERE = Path(__file__).resolve().parent
@@ -44,7 +45,7 @@ ENGINE_ARGS: dict[str, Any] = {
 
 
 def start_engine(model: Path, tp: int, prompts: list[list[int]], **overrides: Any) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one core per rank
     extra = {**ENGINE_ARGS, "tensor_parallel_size": tp, "solo": True, **overrides}

@@ -1,7 +1,11 @@
 """Stock vLLM (CPU) serving tiny Qwen4Exp checkpoints through the plugin's portable model:
-greedy tokens equal transformers' greedy tokens, with several concurrent requests of mixed
-lengths and chunked prefill (a step budget smaller than the prompts), in fp32 and in bf16
-(the latter through the `qwen3_8_flash_next_text` alias checkpoint)."""
+greedy tokens follow transformers' greedy tokens, with several concurrent requests of mixed
+lengths and chunked prefill (a step budget smaller than the prompts), in bf16 through the
+`qwen3_8_flash_next_text` alias checkpoint.
+
+The same in fp32, where the tokens must equal transformers' exactly, runs on the server of
+test_qwen38_vllm_server.py (the engine arguments this module used: fp32, a 32-token step budget,
+prefix caching on) and at TP=1 and TP=2 in test_qwen38_tp_engine.py (eager, preempted)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tests.engines import IN_PROCESS
 from tests.qwen38_plugin.qwen38_reference import (
     NEAR_TIE,
     assert_greedy_equal_until_near_tie,
@@ -28,8 +33,8 @@ EOS = 248046
 
 
 def run_engine(model: Path, dtype: str, prompts: list[list[int]], **llm_kwargs: Any) -> list[list[int]]:
-    """Greedy tokens from a vLLM engine started in a subprocess (engines spawn processes)."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    """Greedy tokens from a vLLM engine started in a subprocess (its engine core in that process)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     args = [str(model), dtype, str(STEPS), json.dumps(prompts), json.dumps(llm_kwargs)]
     cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
@@ -58,13 +63,6 @@ def mixed_prompts(seed: int) -> list[list[int]]:
     prompts = [torch.randint(0, 248_000, (n,), generator=gen).tolist() for n in (1, 3, 29, 70, 45)]
     prompts[3][33] = EOS
     return prompts
-
-
-def test_fp32_concurrent_chunked_prefill_equals_transformers(tiny_checkpoint: Callable[..., Path]) -> None:
-    model = tiny_checkpoint("qwen4_exp_text", dtype="float32")
-    prompts = mixed_prompts(0)
-    served = run_engine(model, "float32", prompts, max_num_batched_tokens=32, max_num_seqs=8)
-    assert served == reference_greedy(model, prompts, torch.float32)
 
 
 def test_bf16_alias_checkpoint_concurrent_chunked_prefill_follows_transformers(

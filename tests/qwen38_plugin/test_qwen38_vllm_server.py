@@ -63,8 +63,10 @@ def _metric(base_url: str, name: str) -> float:
 
 
 def test_concurrent_requests_equal_transformers(served: tuple[Path, Any]) -> None:
+    # Ten requests of 1 to 70 tokens at once (two with an EOS token inside the prompt), the long
+    # ones prefilled in chunks of the 32-token step budget.
     model, server = served
-    prompts = mixed_prompts(1)
+    prompts = mixed_prompts(0) + mixed_prompts(1)
     with ThreadPoolExecutor(len(prompts)) as pool:
         outputs = list(pool.map(lambda p: _complete(server.base_url, model, p), prompts))
     assert outputs == reference_greedy(model, prompts, torch.float32), server.log()[-3000:]

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.registrations import PLUGINS, assert_registered_in_every_process
 from tests.soak.driver import Job, Sender, SoakConfig, SoakReport, difference, metrics, run, settle, tokenize
 from tests.soak.faults import Fault, faults, send_fault, tree_request
 from tests.tool_parsers.forced_output import CLASS_PATH
@@ -156,6 +157,11 @@ def report(served: Served) -> SoakReport:
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text(json.dumps(result.to_json(), indent=1, default=str))
     return result
+
+
+def test_every_plugin_registers_in_api_server_engine_core_and_worker(served: Served) -> None:
+    # The server runs with all five plugins (no VLLM_PLUGINS), as `vllm serve` does by default.
+    assert_registered_in_every_process(served.server, PLUGINS)
 
 
 def test_load_is_the_configured_mix(report: SoakReport) -> None:

@@ -29,12 +29,15 @@ import httpx
 import openai
 import pytest
 
+from tests.registrations import assert_registered_in_every_process
 from tests.tool_parsers.forced_output import CLASS_PATH, FORCED_IDS_KEY, SLEEP_KEY
 from tests.tool_parsers.qwen38_harness import Qwen38Harness, render_call
 
 LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 ROOT = Path(__file__).resolve().parents[2]
 STALL_SECONDS = 1
+# The plugins this server loads (`VLLM_PLUGINS`): what it serves needs tool_parsers alone.
+PLUGINS = ("qwen38_plugin", "tool_parsers")
 
 SERVER_ARGS = [
     "--served-model-name",
@@ -104,7 +107,11 @@ def server(start_server: Any, tiny_checkpoint: Any) -> Iterator[Any]:
         # The repository root (for the test-support logits processor) before any given path,
         # so a checkout that puts its own plugin sources on PYTHONPATH serves those.
         pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        env = {"PYTHONPATH": pythonpath, "TOOL_PARSERS_STALL_SECONDS": str(STALL_SECONDS)}
+        env = {
+            "PYTHONPATH": pythonpath,
+            "TOOL_PARSERS_STALL_SECONDS": str(STALL_SECONDS),
+            "VLLM_PLUGINS": ",".join(PLUGINS),  # the others stay out: test_vllm_plugins_excludes_the_others
+        }
         server = start_server(model, SERVER_ARGS, env=env)
         try:
             yield server
@@ -822,3 +829,18 @@ def test_stalled_request_is_logged_while_it_waits(server: Any, harness: Qwen38Ha
     assert response.status_code == 200
     log = server.log()[logged_before:]
     assert f"POST /v1/chat/completions: no response {STALL_SECONDS} s after receipt (body read)" in log
+
+
+def test_vllm_plugins_excludes_the_others(server: Any, client: openai.OpenAI) -> None:
+    # Every test of this module is served with only the plugins VLLM_PLUGINS names; each of them
+    # registers in the API server, the engine core and the worker, and none of the other three does.
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0.0,
+        extra_body={"chat_template_kwargs": NO_THINKING},
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 8
+    assert reply.choices[0].finish_reason == "length"
+    assert_registered_in_every_process(server, PLUGINS)
