@@ -142,7 +142,10 @@ class PortableDecoderLayer(nn.Module):
         return hyper_connection.hc_inject(streams, self.mlp(x), inject)
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})
+# positions: [T], or [3, T] under M-RoPE (the token count is the last dimension either way). vLLM
+# strips mrope_section from a text-only Qwen4ExpForCausalLM's config (stock's config hook), so
+# [3, T] comes only with the multimodal model's text config.
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1})
 class PortableQwen4ExpModel(nn.Module, EagleModelMixin):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
