@@ -15,7 +15,8 @@ key ring).
   whose groups straddle steps) with image-style positions equals transformers'
   `Qwen4ExpTextAttention` on the whole sequence (fp32), and text-only ``[3, T]`` positions give the
   ``[T]`` results bit for bit;
-- the model's forward with ``[3, T]`` positions still traces as one graph, dynamic token count.
+- the model's forward with ``[3, T]`` positions and the multimodal model's ``inputs_embeds``
+  still traces as one graph, dynamic token count; the embeddings replace the token embeddings.
 """
 
 from __future__ import annotations
@@ -255,7 +256,10 @@ def test_key_ring_rows_hold_the_rope_positions(mrope_model: tuple[Any, Any, Path
     assert not ring.keys.any()
 
 
-def test_forward_with_mrope_positions_traces_as_one_graph(mrope_model: tuple[Any, Any, Path]) -> None:
+def test_forward_with_mrope_positions_and_embeddings_traces_as_one_graph(mrope_model: tuple[Any, Any, Path]) -> None:
+    """The multimodal model hands the text model [3, T] positions and its own embeddings (image
+    features over the placeholder rows) besides the token ids (PLE hashes them): one graph,
+    dynamic token count, equal to eager."""
     from vllm.forward_context import set_forward_context
 
     model, vllm_config, _ = mrope_model
@@ -265,6 +269,31 @@ def test_forward_with_mrope_positions_traces_as_one_graph(mrope_model: tuple[Any
         for n in (5, 9):
             ids = torch.randint(0, 248_000, (n,))
             positions = torch.stack([torch.arange(n), torch.arange(n) // 2, torch.arange(n) % 3])
-            out = compiled(ids, positions)
-            assert out.shape == (n, model.config.hidden_size) and bool(torch.isfinite(out).all())
-            assert torch.equal(out, model.model.forward(ids, positions))
+            embeds = torch.randn(n, model.config.hidden_size)
+            for inputs_embeds in (None, embeds):
+                out = compiled(ids, positions, inputs_embeds)
+                assert out.shape == (n, model.config.hidden_size) and bool(torch.isfinite(out).all())
+                assert torch.equal(out, model.model.forward(ids, positions, inputs_embeds))
+
+
+def test_inputs_embeds_replace_the_token_embeddings(mrope_model: tuple[Any, Any, Path]) -> None:
+    """Without a step's metadata the stateful ops write zeros, so each row depends on its own
+    embedding only: the token embeddings passed in give the plain forward bit for bit, and rows
+    given other embeddings (as image features) change, the others do not."""
+    from vllm.forward_context import set_forward_context
+
+    model, vllm_config, _ = mrope_model
+    n = 12
+    ids = torch.randint(0, 248_000, (n,), generator=torch.Generator().manual_seed(8))
+    positions = torch.arange(n).expand(3, -1)
+    with set_forward_context(None, vllm_config), torch.no_grad():
+        plain = model(ids, positions)
+        embeds = model.embed_input_ids(ids)
+        assert torch.equal(model(ids, positions, inputs_embeds=embeds), plain)
+        image_rows = torch.arange(3, 8)
+        embeds[image_rows] = torch.randn(len(image_rows), model.config.hidden_size)
+        mixed = model(ids, positions, inputs_embeds=embeds)
+    others = torch.ones(n, dtype=torch.bool)
+    others[image_rows] = False
+    assert torch.equal(mixed[others], plain[others])
+    assert not torch.isclose(mixed[image_rows], plain[image_rows]).all(dim=-1).any()
