@@ -99,7 +99,7 @@ def _fake_vllm_config(path: Path, block_size: int, spec_tokens: int) -> Any:
     # Only the fields our cache layers read (not vLLM's engine: no engine runs here).
     config = AutoConfig.from_pretrained(path)
     return SimpleNamespace(
-        model_config=SimpleNamespace(hf_text_config=config, dtype=torch.float32),
+        model_config=SimpleNamespace(hf_text_config=config, dtype=torch.float32, uses_mrope=False),
         cache_config=SimpleNamespace(block_size=block_size, user_specified_block_size=True),
         compilation_config=SimpleNamespace(static_forward_context={}),
         num_speculative_tokens=spec_tokens,

@@ -142,7 +142,10 @@ class PortableDecoderLayer(nn.Module):
         return hyper_connection.hc_inject(streams, self.mlp(x), inject)
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})
+# positions: [T], or [3, T] under M-RoPE (the token count is the last dimension either way). vLLM
+# strips mrope_section from a text-only Qwen4ExpForCausalLM's config (stock's config hook), so
+# [3, T] comes only with the multimodal model's text config.
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
 class PortableQwen4ExpModel(nn.Module, EagleModelMixin):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -162,9 +165,13 @@ class PortableQwen4ExpModel(nn.Module, EagleModelMixin):
         return [layer for layer in self.layers if isinstance(layer, PortableDecoderLayer)]
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        streams = hyper_connection.hc_expand(self.embed_tokens(input_ids), self.config.hc_count)
+        """``inputs_embeds [T, H]`` (the multimodal model's: image and video features scattered
+        over their placeholder rows) replace the token embeddings; ``input_ids`` are still needed,
+        placeholders included, for PLE's n-gram hashes (as transformers' ``ple_input_ids``)."""
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        streams = hyper_connection.hc_expand(embeds, self.config.hc_count)
         aux: list[torch.Tensor] = []
         for index, layer in enumerate(self.layers):
             self._add_aux_hidden_state(aux, index, streams)
@@ -254,7 +261,7 @@ class PortableQwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMa
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         if input_ids is None:
             raise NotImplementedError("the portable Qwen4Exp model needs token ids (PLE hashes them)")
-        return self.model(input_ids, positions)
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)

@@ -34,33 +34,78 @@ from qwen38_plugin.ops import qsa_paged
 from qwen38_plugin.ops.common import apply_partial_rope, rms_norm
 from qwen38_plugin.vllm_qsa_cache import QSAKVCache, QSAMetadata
 
+# transformers' `Qwen4ExpTextRotaryEmbedding` falls back to this when rope_parameters has none.
+DEFAULT_MROPE_SECTION = (11, 11, 10)
+
+
+def mrope_axes(rotary_dim: int, mrope_section: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """Which position row (0: T, 1: H, 2: W) rotates each of the ``rotary_dim`` features, as
+    transformers' `Qwen4ExpTextRotaryEmbedding.recomposition_frequencies` lays them out
+    (interleaved: frequency i takes H when ``i % 3 == 1`` and ``i < 3 * section[1]``, W when
+    ``i % 3 == 2`` and ``i < 3 * section[2]``, T otherwise; both rotate-half halves alike).
+    transformers applies this layout whatever ``mrope_interleaved`` says; so does this model."""
+    half = rotary_dim // 2
+    axes = torch.zeros(half, dtype=torch.long)
+    for axis, offset in ((1, 1), (2, 2)):
+        axes[offset : int(mrope_section[axis]) * 3 : 3] = axis
+    return torch.cat([axes, axes])
+
 
 class RotaryTable(nn.Module):
     """cos / sin of every position up to the model's context, computed once exactly as
     `ops.common.rotary_cos_sin` computes them per call (fp32, rounded to the model dtype).
 
-    Only the default RoPE: the model refuses any other ``rope_type`` at startup."""
+    Positions are ``[T]`` (text) or vLLM's M-RoPE positions ``[3, T]`` (T, H, W rows, for
+    checkpoints whose ``rope_parameters`` carry ``mrope_section``): each feature then takes its
+    row's value (`mrope_axes`), which for three equal rows is the ``[T]`` table's value, bit for
+    bit. Only the default RoPE: the model refuses any other ``rope_type`` at startup."""
 
     @classmethod
     def from_config(cls, config: Any, max_positions: int, dtype: torch.dtype) -> RotaryTable:
         rope = config.rope_parameters or {}
         rotary_dim = int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
-        return cls(rotary_dim, rope["rope_theta"], max_positions, dtype)
+        section = rope.get("mrope_section") or DEFAULT_MROPE_SECTION
+        return cls(rotary_dim, rope["rope_theta"], max_positions, dtype, mrope_section=section)
 
-    def __init__(self, rotary_dim: int, theta: float, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        rotary_dim: int,
+        theta: float,
+        max_positions: int,
+        dtype: torch.dtype,
+        mrope_section: tuple[int, ...] | list[int] = DEFAULT_MROPE_SECTION,
+    ) -> None:
         super().__init__()
         from qwen38_plugin.ops.common import rotary_cos_sin
 
+        if len(mrope_section) != 3:
+            raise ValueError(f"rope_parameters.mrope_section must have 3 entries (T, H, W), got {mrope_section!r}")
         self.rotary_dim = rotary_dim
+        self.mrope_section = tuple(int(s) for s in mrope_section)
         cos, sin = rotary_cos_sin(torch.arange(max_positions), rotary_dim, theta, dtype)
+        axes = mrope_axes(rotary_dim, self.mrope_section)
         self.cos: torch.Tensor
         self.sin: torch.Tensor
+        self.takes_h: torch.Tensor
+        self.takes_w: torch.Tensor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("takes_h", axes == 1, persistent=False)
+        self.register_buffer("takes_w", axes == 2, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, rotary_dim]`` at ``positions [T]`` or M-RoPE ``positions [3, T]``."""
+        if positions.dim() == 1:
+            return self.cos[positions], self.sin[positions]
+        return self._select_axes(self.cos[positions]), self._select_axes(self.sin[positions])
+
+    def _select_axes(self, table: torch.Tensor) -> torch.Tensor:
+        """``[3, T, rotary_dim]`` -> ``[T, rotary_dim]``: each feature from its row (a selection, no arithmetic)."""
+        return torch.where(self.takes_h, table[1], torch.where(self.takes_w, table[2], table[0]))
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x ``[T, heads, D]`` rotated at ``positions [T]`` (partial RoPE, rotate-half layout)."""
-        return apply_partial_rope(x, self.cos[positions], self.sin[positions])
+        """x ``[T, heads, D]`` rotated at ``positions`` ``[T]`` or ``[3, T]`` (partial RoPE, rotate-half layout)."""
+        return apply_partial_rope(x, *self.cos_sin(positions))
 
 
 class GemmaNorm(nn.Module):
@@ -134,17 +179,20 @@ class PortableQSAAttention(nn.Module):
         return self._cache[0]
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``positions``: ``[T]``, or vLLM's M-RoPE positions ``[3, T]`` (the op then reads each
+        token's index in its sequence from the step's metadata)."""
         d = self.head_dim
         qkv, _ = self.qkv_proj(hidden_states)
         q_gate, k, v = qkv.split([2 * self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * d)).split(d, dim=-1)
-        q = self.rotary.rotate(self.q_norm(q), positions)
-        k = self.rotary.rotate(self.k_norm(k.unflatten(-1, (self.num_kv_heads, d))), positions)
+        cos, sin = self.rotary.cos_sin(positions)
+        q = apply_partial_rope(self.q_norm(q), cos, sin)
+        k = apply_partial_rope(self.k_norm(k.unflatten(-1, (self.num_kv_heads, d))), cos, sin)
         v = v.unflatten(-1, (self.num_kv_heads, d))
         index_q: torch.Tensor | None = None
         raw_keys: torch.Tensor | None = None
         if self.indexer is not None:
-            index_q, raw_keys = self._index_queries_and_keys(hidden_states, positions)
+            index_q, raw_keys = self._index_queries_and_keys(hidden_states, cos, sin)
         out = q.new_empty(hidden_states.shape[0], self.num_heads * d)
         torch.ops.vllm.qwen38_qsa_attention(
             q, gate.flatten(1), k, v, index_q, raw_keys, positions, out, self.op_layer_name
@@ -162,7 +210,10 @@ class PortableQSAAttention(nn.Module):
         positions: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        """The stateful part of a step (`vllm_ops.qwen38_qsa_attention`): writes ``out [T, Hq * D]``."""
+        """The stateful part of a step (`vllm_ops.qwen38_qsa_attention`): writes ``out [T, Hq * D]``.
+
+        ``positions``: the rope positions the forward rotated with, ``[T]`` (then also each
+        token's index in its sequence) or M-RoPE ``[3, T]`` (the indices come from the metadata)."""
         cache = self.cache
         meta: QSAMetadata | None = vllm_ops.step_metadata(cache.prefix)
         if meta is None:  # vLLM's profiling run: no requests, no caches
@@ -172,9 +223,13 @@ class PortableQSAAttention(nn.Module):
         n = meta.num_tokens
         if q.shape[0] != n:
             out[n:].zero_()
-            q, gate, k, v, positions, out = q[:n], gate[:n], k[:n], v[:n], positions[:n], out[:n]
+            q, gate, k, v, positions, out = q[:n], gate[:n], k[:n], v[:n], positions[..., :n], out[:n]
             index_q = None if index_q is None else index_q[:n]
             raw_keys = None if raw_keys is None else raw_keys[:n]
+        mrope = positions.dim() == 2
+        rope_positions = positions
+        if mrope:
+            positions = meta.positions[:n]
         qsa_paged.write_kv(cache.kv_cache, meta.slots, k, v)
         selected = None
         if self.indexer is not None:
@@ -182,16 +237,30 @@ class PortableQSAAttention(nn.Module):
             assert index_q is not None and raw_keys is not None
             keys_meta: QSAMetadata = vllm_ops.step_metadata(cache.block_keys.prefix)
             ring_meta: QSAMetadata = vllm_ops.step_metadata(cache.ring.prefix)
+            ring_block = ring_meta.block_table[:, 0]
+            start_cos_sin = None
+            if mrope:
+                start_cos_sin = self.rotary.cos_sin(
+                    self._group_start_rope_positions(rope_positions, positions, meta, ring_block)
+                )
             # The groups this step completes: pooled from this step's raw keys and the ring
             # (read before this step's raw keys overwrite it).
             group_keys = qsa_paged.group_keys(
-                raw_keys, cache.ring.kv_cache, ring_meta.block_table[:, 0], meta.token_req, positions,
+                raw_keys, cache.ring.keys, ring_block, meta.token_req, positions,
                 meta.step_start, ratio=self.ratio, k_norm_weight=self.indexer.k_layernorm.weight,
                 eps=self.config.rms_norm_eps, rope_theta=self.config.rope_parameters["rope_theta"],
-                rotary_dim=self.index_rotary_dim,
+                rotary_dim=self.index_rotary_dim, start_cos_sin=start_cos_sin,
             )  # fmt: skip
             qsa_paged.write_rows(cache.block_keys.kv_cache, keys_meta.slots, group_keys)
-            qsa_paged.write_rows(cache.ring.kv_cache, ring_meta.slots, raw_keys)
+            qsa_paged.write_rows(cache.ring.keys, ring_meta.slots, raw_keys)
+            ring_positions = cache.ring.rope_positions
+            if mrope:
+                if ring_positions is None:
+                    raise RuntimeError(
+                        "QSA: M-RoPE positions reached a layer whose key ring keeps no rope positions "
+                        "(vLLM's model config does not report M-RoPE)"
+                    )
+                qsa_paged.write_rows(ring_positions, ring_meta.slots, rope_positions.t())
             selected = qsa_paged.index_topk(
                 index_q, cache.block_keys.kv_cache, keys_meta.block_table, meta.token_req, positions,
                 ratio=self.ratio, topk=self.topk, max_groups=self.max_groups,
@@ -201,13 +270,32 @@ class PortableQSAAttention(nn.Module):
             ratio=self.ratio, scale=self.scale, out=out,
         )  # fmt: skip
 
+    def _group_start_rope_positions(
+        self, rope_positions: torch.Tensor, positions: torch.Tensor, meta: QSAMetadata, ring_block: torch.Tensor
+    ) -> torch.Tensor:
+        """``[3, T]``: the M-RoPE positions of the first token of the group ending at each token
+        (p - ratio + 1): this step's row when the step holds it, else the ring's (an earlier step
+        wrote it; read before this step's write). Rows of tokens that close no group are clamped
+        into the table and never stored. Device ops only."""
+        ring_positions = self.cache.ring.rope_positions if self.cache.ring is not None else None
+        assert ring_positions is not None
+        tokens = positions.shape[0]
+        req = meta.token_req[:tokens].long().clamp(min=0)
+        first = positions - (self.ratio - 1)
+        rows = (torch.arange(tokens, device=positions.device) - (self.ratio - 1)).clamp(min=0)
+        in_step = first >= meta.step_start.long()[req]
+        capacity = ring_positions.shape[2]
+        from_ring = ring_positions[ring_block.long()[req], 0, first.clamp(min=0) % capacity].t()  # [3, T]
+        start = torch.where(in_step, rope_positions[:, rows], from_ring)
+        return start.clamp(0, self.rotary.cos.shape[0] - 1)
+
     def _index_queries_and_keys(
-        self, hidden_states: torch.Tensor, positions: torch.Tensor
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed, rotated fp32 index queries ``[T, Hi, Di]``, raw index keys ``[T, Di]``)."""
         indexer = self.indexer
         assert indexer is not None
         index_qk, _ = indexer.index_qk_proj(hidden_states)
         q, raw_keys = index_qk.split([indexer.num_heads * indexer.head_dim, indexer.head_dim], dim=-1)
-        q = self.rotary.rotate(indexer.q_layernorm(q.unflatten(-1, (indexer.num_heads, indexer.head_dim))), positions)
+        q = apply_partial_rope(indexer.q_layernorm(q.unflatten(-1, (indexer.num_heads, indexer.head_dim))), cos, sin)
         return q.float(), raw_keys.contiguous()

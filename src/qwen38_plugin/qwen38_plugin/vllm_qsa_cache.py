@@ -136,6 +136,7 @@ class QSAMetadata:
     step_start: torch.Tensor  # [R] int32: position of each request's first token of the step
     block_table: torch.Tensor  # [R, max_blocks] int32: this cache's blocks
     slots: torch.Tensor  # [T] int64: where each token writes in this cache, -1 = no write
+    positions: torch.Tensor  # [T] int64: each token's index in its sequence (M-RoPE positions are not)
 
 
 class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
@@ -165,6 +166,7 @@ class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
         self._token_req = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self._step_start = torch.zeros(max_reqs, dtype=torch.int32, device=device)
         self._slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self._positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -178,7 +180,8 @@ class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
         step_start.copy_(m.seq_lens[:num_reqs] - (qsl[1:] - qsl[:-1]))
         # Positions from the metadata (padding rows read request 0's and are masked by token_req).
         req = token_req.clamp(min=0).long()
-        positions = step_start.long()[req] + (self._arange[:num_tokens] - qsl.long()[req])
+        positions = self._positions[:num_tokens]
+        positions.copy_(step_start.long()[req] + (self._arange[:num_tokens] - qsl.long()[req]))
         block_table = m.block_table_tensor[:num_reqs]
         slots = self._slots[:num_tokens]
         block_size = self.kv_cache_spec.block_size
@@ -196,7 +199,7 @@ class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
         # them, so they must write nowhere and belong to no request (not stale values).
         self._slots[num_tokens:].fill_(-1)
         self._token_req[num_tokens:].fill_(-1)
-        return QSAMetadata(num_tokens, token_req, step_start, block_table, slots)
+        return QSAMetadata(num_tokens, token_req, step_start, block_table, slots, positions)
 
 
 def cache_kind(spec: KVCacheSpec) -> CacheKind:
@@ -271,11 +274,33 @@ class _CacheLayer(nn.Module, AttentionLayerBase):
 
 
 class QSAKeyRing(_CacheLayer):
-    """The raw indexer keys of each request's most recent positions: row ``p % capacity`` of its one block."""
+    """The raw indexer keys of each request's most recent positions: row ``p % capacity`` of its one block.
 
-    def __init__(self, vllm_config: VllmConfig, prefix: str, index_dim: int, capacity: int) -> None:
+    With M-RoPE (``rope_positions``) each row also holds its token's (T, H, W) rope positions,
+    three int64 after the key (from an 8-byte aligned column): a group's compressed key is
+    rotated at its first token's positions, which an earlier step may have seen (stock's raw key
+    cache stores them the same way)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, prefix: str, index_dim: int, capacity: int, rope_positions: bool = False
+    ) -> None:
         super().__init__(vllm_config, prefix)
         self.index_dim, self.capacity = index_dim, capacity
+        per_int64 = max(1, 8 // self.dtype.itemsize)
+        self.rope_position_offset = -(-index_dim // per_int64) * per_int64 if rope_positions else None
+        self.row_size = index_dim if self.rope_position_offset is None else self.rope_position_offset + 3 * per_int64
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``[NB, 1, capacity, index_dim]``: the raw keys (a view of the bound cache)."""
+        return self.kv_cache[..., : self.index_dim]
+
+    @property
+    def rope_positions(self) -> torch.Tensor | None:
+        """``[NB, 1, capacity, 3]`` int64: each row's rope positions (a view), None without M-RoPE."""
+        if self.rope_position_offset is None:
+            return None
+        return self.kv_cache[..., self.rope_position_offset :].view(torch.int64)
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         block_size = vllm_config.cache_config.block_size
@@ -285,7 +310,7 @@ class QSAKeyRing(_CacheLayer):
                 f"does not divide; use a --block-size that is a multiple of {self.capacity}"
             )
         return CircularBufferSpec(
-            block_size=self.capacity, num_kv_heads=1, head_size=self.index_dim, head_size_v=0, dtype=self.dtype,
+            block_size=self.capacity, num_kv_heads=1, head_size=self.row_size, head_size_v=0, dtype=self.dtype,
             dcp_sharded=False, max_tp_shards=1,  # every tensor-parallel rank holds the same ring
         )  # fmt: skip
 
@@ -331,7 +356,10 @@ class QSAKVCache(_CacheLayer):
             # block size (to fit the mamba state pages), which a ring dividing it still divides.
             capacity = resolve_ring_capacity(vllm_config, ratio)
             self.block_keys = QSABlockKeyCache(vllm_config, f"{prefix}.block_keys", config.indexer_head_dim, ratio)
-            self.ring = QSAKeyRing(vllm_config, f"{prefix}.key_ring", config.indexer_head_dim, capacity)
+            self.ring = QSAKeyRing(
+                vllm_config, f"{prefix}.key_ring", config.indexer_head_dim, capacity,
+                rope_positions=vllm_config.model_config.uses_mrope,
+            )  # fmt: skip
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         return FullAttentionSpec(

@@ -757,6 +757,7 @@ def group_keys_torch(
     eps: float,
     rope_theta: float,
     rotary_dim: int,
+    start_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reference of `group_keys`: gathers ``[T, ratio, Di]`` members (tokens in chunks to bound it)
     and runs `ops.qsa.block_keys`' arithmetic on them. Any device, no host syncs."""
@@ -782,7 +783,10 @@ def group_keys_torch(
         members = members.masked_fill(~((member >= 0) & real[:, None])[..., None], 0)
         pooled = members.float().mean(dim=1).to(raw_keys.dtype)
         pooled = rms_norm(pooled, k_norm_weight, eps)
-        cos, sin = rotary_cos_sin((pos - (ratio - 1)).clamp(min=0), rotary_dim, rope_theta, raw_keys.dtype)
+        if start_cos_sin is None:
+            cos, sin = rotary_cos_sin((pos - (ratio - 1)).clamp(min=0), rotary_dim, rope_theta, raw_keys.dtype)
+        else:
+            cos, sin = start_cos_sin[0][begin:end], start_cos_sin[1][begin:end]
         out[begin:end] = apply_partial_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
     return out
 
@@ -839,6 +843,7 @@ def group_keys(
     eps: float,
     rope_theta: float,
     rotary_dim: int,
+    start_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """For every token, the compressed key of the group ending at it, as if it closed the group.
@@ -853,6 +858,10 @@ def group_keys(
     group (``(p + 1) % ratio == 0``) are the keys to store; other rows (and padding tokens) are
     finite but meaningless. No host syncs on either path; the Triton path computes cos/sin in the
     kernel from the same fp32 angles (libdevice cos/sin: within an fp32 ulp of torch's).
+
+    ``start_cos_sin`` (cos, sin ``[T, rotary_dim]`` in raw_keys.dtype): the rotation of each
+    token's group start, given by the caller instead of computed from ``p - ratio + 1`` (M-RoPE,
+    whose positions are not the sequence index); it runs the torch path on every device.
     """
     dim = raw_keys.shape[1]
     if ring_cache.shape[1] != 1 or ring_cache.shape[3] != dim or ring_cache.shape[2] < ratio or rotary_dim > dim:
@@ -860,6 +869,12 @@ def group_keys(
             f"group_keys: ring {tuple(ring_cache.shape)} does not hold {ratio}-key groups of {dim} features "
             f"(rotary dim {rotary_dim})"
         )
+    if start_cos_sin is not None:
+        return group_keys_torch(
+            raw_keys, ring_cache, ring_block, token_req, positions, step_start, ratio=ratio,
+            k_norm_weight=k_norm_weight, eps=eps, rope_theta=rope_theta, rotary_dim=rotary_dim,
+            start_cos_sin=start_cos_sin,
+        )  # fmt: skip
     fn = group_keys_triton if use_triton(raw_keys, backend) else group_keys_torch
     return fn(
         raw_keys, ring_cache, ring_block, token_req, positions, step_start, ratio=ratio, k_norm_weight=k_norm_weight,
