@@ -41,10 +41,13 @@ def awq_pair() -> tuple[Path, Path]:
 def vllm_context(registered: list[str]) -> Iterator[None]:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
-        initialize_model_parallel(1, 1)
+        # One rank's state per process: an earlier module of the session may have made it already.
+        if not model_parallel_is_initialized():
+            init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
+            initialize_model_parallel(1, 1)
         yield
 
 
