@@ -10,7 +10,7 @@ runner (V2); ``compiled``: torch.compile with piecewise and full CUDA graphs
 (``VLLM_USE_BREAKABLE_CUDAGRAPH=0``); ``graphs-v1``: ``graphs`` in the V1 runner, the one the CPU
 tests run) and batch size B, ``B`` requests of ``--prompt-len`` random tokens
 run together through `vllm.LLM` in a child process: prefill tokens/s from a ``max_tokens=1`` run,
-decode tokens/s from ``B * (new_tokens - 1) / (total - prefill time)``, medians of ``--repeats``.
+decode tokens/s from ``B * (new_tokens - 1) / (total - prefill time)``, the fastest of ``--repeats``.
 transformers' ``Qwen4ExpForCausalLM.generate`` runs the same prompts as one batch on the same kind
 of GPU (the second GPU, at the same time, where two are visible; else after vLLM on the first).
 With ``--stock``, stock vLLM's own Qwen4Exp (bf16, ``QWEN38_FORCE_PORTABLE=0``) is tried on the
@@ -128,8 +128,10 @@ def child_vllm(args: argparse.Namespace) -> dict[str, Any]:
             return time.perf_counter() - start
 
         run(4)  # warm-up at this batch size
-        prefill = statistics.median(run(1) for _ in range(args.repeats))
-        total = statistics.median(run(args.new_tokens) for _ in range(args.repeats))
+        # The fastest of the repeats: a one-off stall (a JIT compile for a new shape, a host
+        # hiccup) in a short run would otherwise swing the difference of two timings.
+        prefill = min(run(1) for _ in range(args.repeats))
+        total = min(run(args.new_tokens) for _ in range(args.repeats))
         results[str(batch)] = _rates(batch, args.new_tokens, prefill, total, args.prompt_len)
         print("RESULT " + json.dumps(results), flush=True)
     return results
@@ -153,8 +155,8 @@ def child_transformers(args: argparse.Namespace) -> dict[str, Any]:
                 return time.perf_counter() - start
 
             run(2)
-            prefill = statistics.median(run(1) for _ in range(args.repeats))
-            total = statistics.median(run(args.new_tokens) for _ in range(args.repeats))
+            prefill = min(run(1) for _ in range(args.repeats))
+            total = min(run(args.new_tokens) for _ in range(args.repeats))
             results[str(batch)] = _rates(batch, args.new_tokens, prefill, total, args.prompt_len)
             print("RESULT " + json.dumps(results), flush=True)
     return results

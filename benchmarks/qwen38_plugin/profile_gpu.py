@@ -1,0 +1,87 @@
+"""Where a decode step of the portable Qwen4Exp goes inside vLLM on a GPU: wall time per step
+against the GPU's busy time per step, and the top kernels and host calls, from torch's profiler.
+
+    python benchmarks/qwen38_plugin/profile_gpu.py OUT_DIR [--config medium] [--batches 1,64]
+        [--enforce-eager] [--work DIR]
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profiler sees the
+model runner. For each batch size: a warm-up, then ``--steps`` decode steps of ``B`` requests
+under the profiler. Printed (and written to OUT_DIR/profile-b<B>.txt): wall ms per decode step,
+GPU kernel ms per step (the sum of kernel times: if it is far below the wall time, the step is
+bound by the host), CUDA graph launches per step, and the top entries by self CUDA and self CPU
+time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
+
+from bench_gpu import _prompts, build_checkpoint  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--config", default="medium")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--work", type=Path)
+    args = parser.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = build_checkpoint(args.work or args.out, args.config, args.dtype, stock_gate=False)
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(
+        model=str(model), dtype=args.dtype, max_model_len=args.prompt_len + args.steps + 16, seed=0,
+        max_num_seqs=max(batches), gpu_memory_utilization=0.5, enforce_eager=args.enforce_eager,
+    )  # fmt: skip
+    for batch in batches:
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, args.prompt_len, seed=batch)]
+
+        def run(max_tokens: int, inputs: list[TokensPrompt] = inputs) -> float:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            sync()
+            start = time.perf_counter()
+            llm.generate(inputs, params, use_tqdm=False)
+            sync()
+            return time.perf_counter() - start
+
+        run(4)
+        prefill = min(run(1) for _ in range(3))
+        total = min(run(args.steps + 1) for _ in range(3))
+        step_ms = 1e3 * (total - prefill) / args.steps
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run(args.steps + 1)
+        events = prof.key_averages()
+        kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+        launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
+        lines = [
+            f"batch {batch}: wall {step_ms:.3f} ms per decode step (prefill {1e3 * prefill:.1f} ms); "
+            f"GPU kernels {kernel_us / 1e3 / (args.steps + 1):.3f} ms per step (prefill included); "
+            f"cudaGraphLaunch {launches / (args.steps + 1):.1f} per step",
+            events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90),
+            events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90),
+        ]
+        text = "\n".join(lines)
+        (args.out / f"profile-b{batch}.txt").write_text(text)
+        print(lines[0], flush=True)
+
+
+if __name__ == "__main__":
+    main()
