@@ -39,18 +39,38 @@ def configs(tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, Any]]:
     from qwen38_plugin import register
 
     register()
-    model = tiny_checkpoint("qwen4_exp_text")
+    # output_gate_type set, as stock's GDN layer needs (the plain tiny checkpoint leaves it unset)
+    model = tiny_checkpoint("qwen4_exp_text", overrides={"output_gate_type": "silu"})
+    unset = tiny_checkpoint("qwen4_exp_text")
     saved = os.environ.pop(FORCE_ENV, None)
     try:
-        yield {
+        configs = {
             name: EngineArgs(model=str(model), dtype=name, enforce_eager=True, max_model_len=512).create_engine_config()
             for name in DTYPES
         }
+        configs["bfloat16-gate-unset"] = EngineArgs(
+            model=str(unset), dtype="bfloat16", enforce_eager=True, max_model_len=512
+        ).create_engine_config()
+        yield configs
     finally:
         if saved is not None:
             os.environ[FORCE_ENV] = saved
 
 
+@pytest.fixture
+def stock_kernel_packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stock's CUDA kernel packages (FlashInfer, the CUTLASS DSL) count as installed: the rule is
+    checked here as if on a CUDA machine that has them (this CPU machine has neither)."""
+    monkeypatch.setattr(dispatch, "STOCK_CUDA_MODULES", (("torch", "torch"),))
+
+
+GATE_UNSET = (
+    "the config leaves output_gate_type unset (stock's GDN layer asserts on it; transformers and the portable "
+    "model use hidden_act)"
+)
+
+
+@pytest.mark.usefixtures("stock_kernel_packages")
 @pytest.mark.parametrize(
     ("platform", "dtype", "portable", "reason"),
     [
@@ -62,14 +82,35 @@ def configs(tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, Any]]:
         (CUDA_70, "bfloat16", True, "CUDA capability 7.0 < 8.0"),
         (CUDA_70, "float16", True, "CUDA capability 7.0 < 8.0"),
         (ROCM, "bfloat16", False, "rocm, bfloat16: stock's runs here"),
+        # seen on the H200: stock's engine failed at startup on such a checkpoint
+        (CUDA_90, "bfloat16-gate-unset", True, GATE_UNSET),
+        (ROCM, "bfloat16-gate-unset", True, GATE_UNSET),
     ],
 )
 def test_rule_on_real_configs(configs: dict[str, Any], platform: Any, dtype: str, portable: bool, reason: str) -> None:
     target = target_of(configs[dtype], platform)
-    assert target.dtype == DTYPES[dtype]
+    assert target.dtype == DTYPES[dtype.split("-")[0]]
     assert decide(target, None) == dispatch.Choice(portable, reason)
 
 
+def test_stock_kernel_packages_missing_picks_the_portable_model(configs: dict[str, Any]) -> None:
+    """On this machine FlashInfer and the CUTLASS DSL are absent, as on the H200 the project borrows
+    (where stock's engine then failed with "No module named 'flashinfer'"): bf16 on CUDA 9.0 goes
+    to the portable model, and forcing stock's names the packages."""
+    import importlib.util
+
+    missing = [p for m, p in dispatch.STOCK_CUDA_MODULES if importlib.util.find_spec(m) is None]
+    assert missing == ["flashinfer-python", "nvidia-cutlass-dsl"], "this test needs a machine without them"
+    target = target_of(configs["bfloat16"], CUDA_90)
+    reason = "stock's CUDA kernels need flashinfer-python and nvidia-cutlass-dsl, not installed"
+    assert decide(target, None) == dispatch.Choice(True, reason)
+    with pytest.raises(DispatchError, match=r"FORCE_PORTABLE=0 forbids .*need flashinfer-python and nvidia-cut"):
+        decide(target, "0")
+    # ROCm does not import them
+    assert not decide(target_of(configs["bfloat16"], ROCM), None).portable
+
+
+@pytest.mark.usefixtures("stock_kernel_packages")
 def test_switch_forces_either_way_and_never_falls_back(configs: dict[str, Any]) -> None:
     bf16_h200 = target_of(configs["bfloat16"], CUDA_90)
     assert decide(bf16_h200, "1") == dispatch.Choice(True, "QWEN38_FORCE_PORTABLE=1")

@@ -8,6 +8,10 @@ the rule and imports vLLM only inside functions, so `register()` stays cheap.
 The rule (`decide`): ours where stock's cannot run, stock's everywhere else.
 - stock cannot run on the CPU platform, on CUDA below compute capability 8.0, on platforms
   other than CUDA and ROCm, and in any dtype but bfloat16 (its QSA attention requires bf16);
+  nor on a checkpoint that leaves ``output_gate_type`` unset (its GDN layer asserts on it, where
+  transformers and the portable model use ``hidden_act``), nor on CUDA without the packages its
+  kernels import (FlashInfer, the CUTLASS DSL): seen on an H200 with stock vLLM 0.32, where
+  either made the engine fail at startup;
 - ``QWEN38_FORCE_PORTABLE=1`` picks ours everywhere; ``=0`` picks stock's everywhere and fails
   at startup, saying why, where stock's cannot run (no silent fallback either way).
 The choice is logged once per process, with the reason.
@@ -16,6 +20,7 @@ The choice is logged once per process, with the reason.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 from collections.abc import Mapping
@@ -49,6 +54,8 @@ class Target:
     speculative_method: str | None = None
     pipeline_parallel_size: int = 1
     enable_hc_sp: bool = False
+    # What stock's model needs from the checkpoint or the installation that is missing here.
+    stock_lacks: tuple[str, ...] = ()
 
     def describe(self) -> str:
         where = (
@@ -85,7 +92,28 @@ def why_stock_cannot_run(target: Target) -> str | None:
         return f"{target.platform} platform (stock's runs on CUDA and ROCm only)"
     if target.dtype != torch.bfloat16:
         return f"dtype {str(target.dtype).removeprefix('torch.')} (stock's QSA attention requires bfloat16)"
+    if target.stock_lacks:
+        return "; ".join(target.stock_lacks)
     return None
+
+
+# Modules stock's CUDA Qwen4Exp imports while it builds or warms up, and the packages that hold them.
+STOCK_CUDA_MODULES = (("flashinfer", "flashinfer-python"), ("cutlass", "nvidia-cutlass-dsl"))
+
+
+def stock_lacks(hf_config: Any, platform: str) -> tuple[str, ...]:
+    """What stock's Qwen4ExpForCausalLM needs that this checkpoint or installation lacks."""
+    lacks = []
+    if getattr(hf_config, "output_gate_type", None) is None:
+        lacks.append(
+            "the config leaves output_gate_type unset (stock's GDN layer asserts on it; transformers and the "
+            "portable model use hidden_act)"
+        )
+    if platform == "cuda":
+        missing = [package for module, package in STOCK_CUDA_MODULES if importlib.util.find_spec(module) is None]
+        if missing:
+            lacks.append(f"stock's CUDA kernels need {' and '.join(missing)}, not installed")
+    return tuple(lacks)
 
 
 def decide(target: Target, force: str | None) -> Choice:
@@ -98,7 +126,8 @@ def decide(target: Target, force: str | None) -> Choice:
             raise DispatchError(
                 f"{FORCE_ENV}=0 forbids the portable Qwen4Exp model, but stock vLLM's {ARCHITECTURE} cannot run "
                 f"here: {blocker}. Unset {FORCE_ENV} to serve with qwen38_plugin's portable model, or run on "
-                "CUDA >= 8.0 (or ROCm) in bfloat16."
+                "CUDA >= 8.0 (or ROCm) in bfloat16 with a config that sets output_gate_type and stock's kernel "
+                "packages installed."
             )
         choice = Choice(False, f"{FORCE_ENV}=0")
     elif blocker is not None:
@@ -146,6 +175,7 @@ def target_of(vllm_config: VllmConfig, platform: tuple[str, tuple[int, int] | No
         speculative_method=spec.method if spec is not None else None,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         enable_hc_sp=bool(getattr(parallel, "enable_hc_sp", False)),
+        stock_lacks=stock_lacks(vllm_config.model_config.hf_text_config, platform[0]),
     )
 
 
