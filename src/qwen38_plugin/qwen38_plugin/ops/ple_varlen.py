@@ -31,7 +31,7 @@ run inside vLLM's CUDA-graph-captured decode steps and on CPU alike.
 Padding: a token with ``token_req = -1``, or of a request whose slot is negative (vLLM's
 PAD_SLOT_ID), gets zero rows and a zero term. A slot is written only for a request with a
 non-negative slot and at least one token this step, so vLLM's padded requests (no tokens, slot
-0, the null block) leave their slots as they are (`_write_slots_` says how, with static shapes).
+0, the null block) leave their slots as they are (`common.write_slots_` says how, with static shapes).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from qwen38_plugin.ops.common import rms_norm
+from qwen38_plugin.ops.common import rms_norm, write_slots_
 from qwen38_plugin.ops.ple import gated_values
 
 
@@ -97,27 +97,6 @@ def _step_index(
         new_tokens=new_tokens,
         written=has_slot & (new_tokens > 0),
     )
-
-
-def _write_slots_(cache: torch.Tensor, slots: torch.Tensor, written: torch.Tensor, values: torch.Tensor) -> None:
-    """``cache[slots[r]] = values[r]`` for every r with ``written[r]``, as one index_copy_ of all R rows.
-
-    cache: ``[S, ...]``; slots: ``[R]`` long, >= 0; written: ``[R]`` bool; values: ``[R, ...]``.
-    With static shapes every row must go somewhere: a row not written repeats the first written
-    row's write (same slot, same value), so the duplicate indices store identical bytes. If no
-    row is written, every row rewrites slot ``slots[0]`` with what that slot already holds.
-    """
-    values = values.to(cache.dtype)
-    first = torch.argmax(written.to(torch.int32)).view(1)  # the first written row; 0 if none
-    first_slot = slots.index_select(0, first)
-    first_value = torch.where(
-        written.index_select(0, first).view((1,) * values.dim()),
-        values.index_select(0, first),
-        cache.index_select(0, first_slot),
-    )
-    target = torch.where(written, slots, first_slot)
-    source = torch.where(written.view((-1,) + (1,) * (values.dim() - 1)), values, first_value)
-    cache.index_copy_(0, target, source)
 
 
 def ngram_rows_varlen(
@@ -184,7 +163,7 @@ def ngram_rows_varlen(
     from_context = context.gather(1, history.clamp_max(context_len - 1))
     token_rows = (query_start.long()[:, None] + history - context_len).clamp(0, num_tokens - 1)
     from_step = ids.index_select(0, token_rows.flatten()).view(num_requests, context_len)
-    _write_slots_(context_cache, step.slots, step.written, torch.where(history < context_len, from_context, from_step))
+    write_slots_(context_cache, step.slots, step.written, torch.where(history < context_len, from_context, from_step))
     return rows
 
 
@@ -261,5 +240,5 @@ def ple_mix_varlen(
     token_rows = (query_start.long()[:, None] + history - span).clamp(0, num_tokens - 1)
     from_step = conv_inputs.index_select(0, token_rows.flatten())
     new_state = torch.where((history < span).flatten()[:, None], from_state, from_step)
-    _write_slots_(conv_state_cache, step.slots, step.written, new_state.view(num_requests, span, width).transpose(1, 2))
+    write_slots_(conv_state_cache, step.slots, step.written, new_state.view(num_requests, span, width).transpose(1, 2))
     return term
