@@ -280,3 +280,20 @@ def test_wrong_buffer_width_is_refused() -> None:
             torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), num_k_heads=K_HEADS,
             head_k_dim=DK, head_v_dim=DV, conv_state_dim_first=False,
         )  # fmt: skip
+
+
+def test_verify_rows_need_no_host_values() -> None:
+    # On the meta device no value exists: a host sync or a shape that depends on values raises.
+    # The caches are updated in place, so their shapes must come back unchanged.
+    meta = torch.device("meta")
+    conv_w, a_log, dt_bias = (t.to(meta) for t in _weights(torch.float32, torch.Generator().manual_seed(7)))
+    conv = torch.empty(9, KERNEL - 1 + 2, CHANNELS, device=meta)
+    ssm = torch.empty(9, V_HEADS, DV, DK, device=meta)
+    mixed, a, b = (torch.empty(7, n, device=meta) for n in (CHANNELS, V_HEADS, V_HEADS))
+    o = gdn_core_spec(
+        mixed, a, b, conv_w, a_log, dt_bias, conv, ssm, torch.empty(3, 3, dtype=torch.int32, device=meta),
+        torch.empty(4, dtype=torch.int32, device=meta), torch.empty(3, dtype=torch.int32, device=meta),
+        num_k_heads=K_HEADS, head_k_dim=DK, head_v_dim=DV, conv_state_dim_first=False,
+    )  # fmt: skip
+    assert o.shape == (7, V_HEADS, DV) and o.device == meta
+    assert conv.shape == (9, KERNEL + 1, CHANNELS) and ssm.shape == (9, V_HEADS, DV, DK)
