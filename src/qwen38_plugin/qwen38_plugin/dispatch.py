@@ -142,10 +142,11 @@ def decide(target: Target, force: str | None) -> Choice:
 def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
     lacks = []
     if target.speculative_method is not None:
-        # No MTP head, and the GDN / PLE state updates take no draft rows, so n-gram and draft-model
-        # methods would start and then fail at the first step: refuse every method at startup.
+        # The verify path (GDN / PLE / QSA verify rows with rollback) is in place and tested, but
+        # there is no portable MTP drafter yet (README, "Speculative decoding"): refuse every method
+        # at startup until the MTP chain is proven through a real engine.
         lacks.append(
-            f"speculative method {target.speculative_method!r} (the portable model verifies no draft tokens; "
+            f"speculative method {target.speculative_method!r} (the portable model has no MTP drafter yet; "
             "stock's Qwen4ExpMTP needs CUDA >= 8.0 in bfloat16): drop --speculative-config"
         )
     if target.pipeline_parallel_size > 1:

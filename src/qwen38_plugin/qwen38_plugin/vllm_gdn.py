@@ -9,7 +9,8 @@ this subclass changes:
 
 - **CPU, any dtype.** Stock's CPU op asserts bfloat16; ours runs `ops.gdn_varlen` (plain torch,
   fp32 / fp16 / bf16, all requests of a step batched) and our gated RMSNorm, which rounds where
-  transformers rounds.
+  transformers rounds. Verify rows of speculative decoding take vLLM's layout (a state slot per
+  draft position, the wide conv buffer; `gdn_varlen.gdn_core_step`).
 - **The recurrent state is fp32** unless ``--mamba-ssm-cache-dtype`` says otherwise (stock keeps
   it in the model dtype): transformers keeps it in fp32, and fp16's range is too small for it.
 - **PLE states.** A model with PLE keeps each PLE layer's conv state and n-gram context in the
@@ -174,10 +175,11 @@ class PortableGatedDeltaNet(QwenGatedDeltaNetAttention):
         n = meta.num_actual_tokens
         states = self.kv_cache
         conv_weight = cast(torch.Tensor, self.conv1d.weight)
-        core_out[:n] = gdn_varlen.gdn_core_varlen(
+        # Verify rows of speculative decoding (vLLM's spec fields) roll back through their
+        # per-draft-position slots and the wide conv buffer; the rest run as before.
+        core_out[:n] = gdn_varlen.gdn_core_step(
             mixed_qkv[:n], a[:n], b[:n], conv_weight.view(conv_weight.shape[0], -1),
-            self.A_log, self.dt_bias, states[0], states[1], meta.non_spec_state_indices_tensor,
-            meta.non_spec_query_start_loc, meta.has_initial_state,
+            self.A_log, self.dt_bias, states[0], states[1], meta,
             num_k_heads=self.num_k_heads // self.tp_size, head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim,
             conv_state_dim_first=is_conv_state_dim_first(),
         )  # fmt: skip

@@ -270,46 +270,48 @@ class PortablePLE(nn.Module):
         torch.ops.vllm.qwen38_ple_mix(streams, key, value, term, self.op_layer_name)
         return streams + term
 
-    def _step(self) -> PLEStep | None:
-        """This layer's view of the step: its slot's states and vLLM's GDN metadata for them
-        (None in vLLM's profiling run)."""
+    def _steps(self) -> list[PLEStep] | None:
+        """This layer's view of the step (None in vLLM's profiling run): `step_parts`."""
         meta = vllm_ops.step_metadata(self.gdn.prefix)
         if meta is None:
             return None
         states = self.gdn.kv_cache
-        return PLEStep(
-            meta.non_spec_query_start_loc, meta.non_spec_state_indices_tensor, meta.has_initial_state,
-            states[2], states[3],
-        )  # fmt: skip
+        return step_parts(meta, states[2], states[3])
 
     def embed(self, input_ids: torch.Tensor, embedded: torch.Tensor) -> None:
         """`vllm_ops.qwen38_ple_embed`: each token's n-gram rows (advancing the n-gram contexts)
         looked up in the table, into ``embedded [T, E]``."""
-        step = self._step()
-        if step is None:
-            embedded.zero_()
+        steps = self._steps()
+        if steps is None or len(steps) > 1 or steps[0].rows is not None:
+            embedded.zero_()  # the profiling run; or parts, which leave the padding rows
+        if steps is None:
             return
         emb = self.ple_embedding
-        rows = ple_varlen.ngram_rows_varlen(
-            input_ids, step.token_req(input_ids.shape[0]), step.query_start, step.context_cache, step.state_indices,
-            step.has_initial_state, emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets,
-            heads_per_ngram=self.heads_per_ngram, eos_token_id=self.eos,
-        )  # fmt: skip
-        embedded.copy_(emb.lookup(rows).flatten(-2))
+        for step in steps:
+            ids = step.take(input_ids)
+            rows = ple_varlen.ngram_rows_varlen(
+                ids, step.token_req(ids.shape[0]), step.query_start, step.context_cache, step.state_indices,
+                step.has_initial_state, emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets,
+                heads_per_ngram=self.heads_per_ngram, eos_token_id=self.eos, write_indices=step.write_indices,
+            )  # fmt: skip
+            step.put(embedded, emb.lookup(rows).flatten(-2))
 
     def mix(self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, term: torch.Tensor) -> None:
         """`vllm_ops.qwen38_ple_mix`: the term added to the streams (advancing the conv states)."""
-        step = self._step()
-        if step is None:
+        steps = self._steps()
+        if steps is None or len(steps) > 1 or steps[0].rows is not None:
             term.zero_()
+        if steps is None:
             return
-        mixed = ple_varlen.ple_mix_varlen(
-            streams, key, value, self.norm_key.weight, self.norm_query.weight, self.norm_conv.weight,
-            self.conv1d.weight.squeeze(1), step.conv_cache, step.token_req(streams.shape[0]), step.query_start,
-            step.state_indices, step.has_initial_state, hc_count=self.hc_count, ngram_size=self.ngram_size,
-            eps=self.eps,
-        )  # fmt: skip
-        term.copy_(mixed)
+        for step in steps:
+            part_streams = step.take(streams)
+            mixed = ple_varlen.ple_mix_varlen(
+                part_streams, step.take(key), step.take(value), self.norm_key.weight, self.norm_query.weight,
+                self.norm_conv.weight, self.conv1d.weight.squeeze(1), step.conv_cache,
+                step.token_req(part_streams.shape[0]), step.query_start, step.state_indices, step.has_initial_state,
+                hc_count=self.hc_count, ngram_size=self.ngram_size, eps=self.eps, write_indices=step.write_indices,
+            )  # fmt: skip
+            step.put(term, mixed)
 
 
 class _ConvWeight(nn.Module):
@@ -318,8 +320,44 @@ class _ConvWeight(nn.Module):
         self.weight = nn.Parameter(torch.zeros(channels, 1, kernel))
 
 
+def step_parts(meta: Any, conv_cache: torch.Tensor, context_cache: torch.Tensor) -> list[PLEStep]:
+    """A PLE layer's view of a step from vLLM's GDN metadata of its slot (`GDNAttentionMetadata`),
+    one part per kind of row. Without speculative verify rows one part holds every token; with
+    them (``spec_sequence_masks``), the verify rows (``spec_token_indx``: read the slot of the last
+    kept token, ``num_accepted_tokens - 1``, and write one slot per draft position,
+    ``spec_state_indices_tensor``) and the other rows (``non_spec_token_indx``) are two parts."""
+    caches = (conv_cache, context_cache)
+    if meta.spec_sequence_masks is None:
+        return [
+            PLEStep(meta.non_spec_query_start_loc, meta.non_spec_state_indices_tensor, meta.has_initial_state, *caches)
+        ]
+    spec_slots = meta.spec_state_indices_tensor
+    last_kept = (meta.num_accepted_tokens.long() - 1).clamp(0, spec_slots.shape[1] - 1)
+    read = spec_slots.gather(1, last_kept[:, None].to(spec_slots.device))[:, 0]
+    parts = [
+        PLEStep(
+            meta.spec_query_start_loc, read, None, *caches, rows=meta.spec_token_indx.long(), write_indices=spec_slots
+        )
+    ]
+    if meta.num_prefills > 0 or meta.num_decodes > 0:
+        rows = meta.non_spec_token_indx.long()
+        parts.append(
+            PLEStep(
+                meta.non_spec_query_start_loc,
+                meta.non_spec_state_indices_tensor,
+                meta.has_initial_state,
+                *caches,
+                rows=rows,
+            )
+        )
+    return parts
+
+
 class PLEStep:
-    """What a PLE layer reads of a step: vLLM's GDN metadata of its slot and the slot's PLE states."""
+    """What a PLE layer reads of a step (or of one part of it): vLLM's GDN metadata of its slot
+    and the slot's PLE states. ``rows``: the step's token rows of this part (None: all of them);
+    ``write_indices``: the per-draft-position slots of speculative verify rows (None: write the
+    state after the last token into ``state_indices``)."""
 
     def __init__(
         self,
@@ -328,11 +366,25 @@ class PLEStep:
         has_initial_state: torch.Tensor | None,
         conv_cache: torch.Tensor,
         context_cache: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        write_indices: torch.Tensor | None = None,
     ) -> None:
         self.query_start_loc, self.query_start = query_start_loc, query_start_loc[:-1]
         self.state_indices, self.has_initial_state = state_indices, has_initial_state
         self.conv_cache, self.context_cache = conv_cache, context_cache
+        self.rows, self.write_indices = rows, write_indices
 
     def token_req(self, num_tokens: int) -> torch.Tensor:
         """The request row of each of the step's (possibly padded) tokens, -1 for padding."""
         return ple_varlen.token_requests(self.query_start_loc, num_tokens)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """This part's rows of a step tensor ``[T, ...]``."""
+        return x if self.rows is None else x.index_select(0, self.rows)
+
+    def put(self, out: torch.Tensor, part: torch.Tensor) -> None:
+        """Write this part's rows of ``out [T, ...]``."""
+        if self.rows is None:
+            out.copy_(part)
+        else:
+            out.index_copy_(0, self.rows, part.to(out.dtype))

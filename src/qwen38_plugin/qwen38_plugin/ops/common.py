@@ -76,3 +76,24 @@ def causal_conv1d(
         raise ValueError(f"causal_conv1d: unsupported activation {activation!r}; use 'silu' or None")
     new_state = window[..., window.shape[-1] - span :].contiguous()
     return y.transpose(1, 2).to(x.dtype), new_state
+
+
+def write_slots_(cache: torch.Tensor, slots: torch.Tensor, written: torch.Tensor, values: torch.Tensor) -> None:
+    """``cache[slots[r]] = values[r]`` for every r with ``written[r]``, as one index_copy_ of all R rows.
+
+    cache: ``[S, ...]``; slots: ``[R]`` long, >= 0; written: ``[R]`` bool; values: ``[R, ...]``.
+    With static shapes every row must go somewhere: a row not written repeats the first written
+    row's write (same slot, same value), so the duplicate indices store identical bytes. If no
+    row is written, every row rewrites slot ``slots[0]`` with what that slot already holds.
+    """
+    values = values.to(cache.dtype)
+    first = torch.argmax(written.to(torch.int32)).view(1)  # the first written row; 0 if none
+    first_slot = slots.index_select(0, first)
+    first_value = torch.where(
+        written.index_select(0, first).view((1,) * values.dim()),
+        values.index_select(0, first),
+        cache.index_select(0, first_slot),
+    )
+    target = torch.where(written, slots, first_slot)
+    source = torch.where(written.view((-1,) + (1,) * (values.dim() - 1)), values, first_value)
+    cache.index_copy_(0, target, source)

@@ -20,17 +20,27 @@ one with ``beta = 0`` and ``g = 0`` on the padding, which leaves the recurrent s
 (the padded positions add ``k u^T`` with ``u = 0`` and decay by ``exp(0)``). This is the
 same decode/prefill split as `model.Qwen4ExpCore.forward_step`, so the results match the
 reference op run per request.
+
+Speculative decoding (`gdn_core_spec`, `gdn_core_step`) follows vLLM's GDN layout: a verify row
+of request r (``1 + drafts`` tokens) has ``P = k + 1`` state slots ``spec_state_indices[r, 0..k]``;
+it starts from the recurrent state in slot ``num_accepted[r] - 1`` (the last token the previous
+step accepted) and writes the state after its token j into slot j, so the next step rolls back by
+choosing a slot. The conv state is one wide buffer of ``K - 1 + k`` inputs in slot column 0: a
+verify row reads its K - 1 prior inputs at column ``num_accepted - 1`` and leaves
+``[prior[1:], x_0 .. x_{q-1}]`` at the front, so the window ending at any of its tokens starts
+at that token's index. Prefills (and steps without verify rows) use the first K - 1 columns.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from qwen38_plugin.ops import gdn
-from qwen38_plugin.ops.common import causal_conv1d
+from qwen38_plugin.ops.common import causal_conv1d, write_slots_
 
 # The reference's prefill chunk (`model.GatedDeltaNet.core`).
 CHUNK_SIZE = 64
@@ -76,7 +86,8 @@ def gdn_core_varlen(
 
     CPU path: ``query_start_loc`` and ``state_indices`` are read on the host (``tolist``) to
     split decodes from prefills and to size the padded prefill batch; on CPU that is free.
-    Speculative decoding (vLLM's spec metadata) is not handled here.
+    Speculative decoding (vLLM's spec metadata): `gdn_core_step` splits the step and runs the
+    verify rows through `gdn_core_spec`.
     """
     num_tokens, channels = mixed_qkv.shape
     num_v_heads = a.shape[-1]
@@ -192,3 +203,189 @@ def _run_requests(
         new_conv_state = new_conv_state.transpose(1, 2)
     conv_state_cache.index_copy_(0, slots, new_conv_state.to(conv_state_cache.dtype))
     ssm_state_cache.index_copy_(0, slots, new_ssm_state.transpose(-1, -2).to(ssm_state_cache.dtype))
+
+
+def _narrow_conv(conv_state_cache: torch.Tensor, kernel: int, conv_state_dim_first: bool) -> torch.Tensor:
+    """The first K - 1 columns of a (possibly wide, speculative) conv buffer: a prefill's conv state."""
+    return conv_state_cache[..., : kernel - 1] if conv_state_dim_first else conv_state_cache[:, : kernel - 1]
+
+
+def gdn_core_spec(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    conv_state_cache: torch.Tensor,
+    ssm_state_cache: torch.Tensor,
+    spec_state_indices: torch.Tensor,
+    spec_query_start_loc: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+    *,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    conv_state_dim_first: bool,
+) -> torch.Tensor:
+    """The GDN core of a step's verify rows (speculative decoding); updates their slots in place.
+
+    mixed_qkv ``[N, C]``, a, b ``[N, Hv]``: the verify rows' tokens, request after request
+    (vLLM's ``spec_token_indx`` order); conv_weight, a_log, dt_bias as in `gdn_core_varlen`.
+    conv_state_cache: ``[S, K - 1 + k, C]`` ("SD") or ``[S, C, K - 1 + k]`` ("DS"), the wide
+    buffer; ssm_state_cache ``[S, Hv, Dv, Dk]``.
+    spec_state_indices ``[R, k + 1]`` int (vLLM's ``spec_state_indices_tensor``),
+    spec_query_start_loc ``[R + 1]`` int (request r's tokens are rows ``[qsl[r], qsl[r + 1])``,
+    at most k + 1), num_accepted_tokens ``[R]`` int (1..k + 1: how many tokens of the previous
+    step were kept, 1 after a prefill).
+    Request r runs its tokens as one recurrent step each from slot ``num_accepted - 1`` and writes
+    the state after token j into slot j (j < its token count). Requests without tokens or with
+    a negative slot write nothing; their rows, and rows past ``qsl[R]``, get zeros.
+    Returns o ``[N, Hv, Dv]`` in mixed_qkv.dtype.
+
+    Static shapes and no host reads: the loop runs over the k + 1 draft positions (fixed by the
+    config), every request of the step at once.
+    """
+    num_tokens, channels = mixed_qkv.shape
+    num_requests, positions = spec_state_indices.shape
+    num_v_heads = a.shape[-1]
+    kernel = conv_weight.shape[-1]
+    state_len = kernel - 1 + positions - 1
+    conv_slot_shape = (channels, state_len) if conv_state_dim_first else (state_len, channels)
+    if tuple(conv_state_cache.shape[1:]) != conv_slot_shape:
+        raise ValueError(
+            f"gdn_core_spec: conv_state_cache {tuple(conv_state_cache.shape)} has slots "
+            f"{tuple(conv_state_cache.shape[1:])}, expected {conv_slot_shape} for kernel {kernel} and "
+            f"{positions - 1} speculative tokens (conv_state_dim_first={conv_state_dim_first})"
+        )
+    if tuple(ssm_state_cache.shape[1:]) != (num_v_heads, head_v_dim, head_k_dim):
+        raise ValueError(
+            f"gdn_core_spec: ssm_state_cache {tuple(ssm_state_cache.shape)} has slots "
+            f"{tuple(ssm_state_cache.shape[1:])}, expected (Hv, Dv, Dk) = {(num_v_heads, head_v_dim, head_k_dim)}"
+        )
+    out = mixed_qkv.new_zeros(num_tokens + 1, num_v_heads, head_v_dim)  # row N: where padding goes
+    if num_tokens == 0 or num_requests == 0:
+        return out[:num_tokens]
+    device = mixed_qkv.device
+    qsl = spec_query_start_loc[: num_requests + 1].to(device=device, dtype=torch.long)
+    lengths = qsl[1:] - qsl[:-1]
+    offsets = torch.arange(positions, device=device)
+    slot_table = spec_state_indices.to(device=device, dtype=torch.long)
+    active = (lengths > 0) & (slot_table[:, 0] >= 0)
+    inside = (offsets[None, :] < lengths[:, None]) & active[:, None]  # [R, P]: a real token
+    token_rows = (qsl[:-1, None] + offsets).clamp(0, num_tokens - 1)
+    start_col = (num_accepted_tokens[:num_requests].to(device=device, dtype=torch.long) - 1).clamp(0, positions - 1)
+    buffer_slot = slot_table[:, 0].clamp_min(0)
+    start_slot = slot_table.gather(1, start_col[:, None])[:, 0].clamp_min(0)
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        # [N, F] -> [R, P, F], zeros on the padding
+        return torch.where(inside[..., None], x[token_rows], 0)
+
+    # The conv: K - 1 prior inputs from column `num_accepted - 1` of the buffer.
+    buffer = conv_state_cache.index_select(0, buffer_slot)
+    if not conv_state_dim_first:
+        buffer = buffer.transpose(1, 2)  # [R, C, L]
+    buffer = torch.where(active[:, None, None], buffer, 0)  # a padded request's slot may hold NaN
+    prior_cols = start_col[:, None] + torch.arange(kernel - 1, device=device)  # [R, K - 1]
+    prior = buffer.gather(2, prior_cols[:, None, :].expand(-1, channels, -1))
+    x = take(mixed_qkv)
+    x_conv, _ = causal_conv1d(x, conv_weight, prior)
+    # The new buffer: [prior[1:], x_0 .. x_{q-1}, the old columns after them].
+    source = torch.cat([buffer, x.transpose(1, 2).to(buffer.dtype)], dim=-1)  # [R, C, L + P]
+    cols = torch.arange(state_len, device=device)[None, :]
+    fresh = cols - (kernel - 2)  # the index of the token a column holds, when it holds one
+    source_col = torch.where(
+        cols < kernel - 2,
+        start_col[:, None] + 1 + cols,
+        torch.where(fresh < lengths[:, None], state_len + fresh, cols),
+    )
+    new_buffer = source.gather(2, source_col[:, None, :].expand(-1, channels, -1))
+    if not conv_state_dim_first:
+        new_buffer = new_buffer.transpose(1, 2)
+    write_slots_(conv_state_cache, buffer_slot, active, new_buffer)
+
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = torch.split(x_conv, [key_dim, key_dim, x_conv.shape[-1] - 2 * key_dim], dim=-1)
+    q = q.reshape(num_requests, positions, num_k_heads, head_k_dim)
+    k = k.reshape(num_requests, positions, num_k_heads, head_k_dim)
+    v = v.reshape(num_requests, positions, -1, head_v_dim)
+    a_b, b_b = take(a), take(b)
+    beta = torch.where(inside[..., None], b_b.sigmoid(), 0)
+    g = torch.where(inside[..., None], -a_log.float().exp() * F.softplus(a_b.float() + dt_bias), 0)
+    repeat = v.shape[2] // num_k_heads
+    if repeat > 1:
+        q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+
+    state = ssm_state_cache.index_select(0, start_slot).transpose(-1, -2)  # [R, Hv, Dk, Dv]
+    state = torch.where(active[:, None, None, None], state.float(), 0).contiguous()
+    round_state = ssm_state_cache.dtype != torch.float32
+    outputs, states = [], []
+    for j in range(positions):
+        step = slice(j, j + 1)
+        o_j, state = gdn.gated_delta_rule_recurrent(
+            q[:, step], k[:, step], v[:, step], g[:, step], beta[:, step], state, in_place=True
+        )
+        if round_state:  # the state is stored after every token in the cache dtype, then read back
+            state = state.to(ssm_state_cache.dtype).float()
+        outputs.append(o_j)
+        states.append(state.transpose(-1, -2).clone())
+    new_states = torch.stack(states, dim=1)  # [R, P, Hv, Dv, Dk]
+    write_slots_(ssm_state_cache, slot_table.clamp_min(0).flatten(), inside.flatten(), new_states.flatten(0, 1))
+    o = torch.cat(outputs, dim=1)  # [R, P, Hv, Dv]
+    target = torch.where(inside, token_rows, num_tokens).flatten()
+    out.index_copy_(0, target, o.flatten(0, 1).to(out.dtype))
+    return out[:num_tokens]
+
+
+def gdn_core_step(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    conv_state_cache: torch.Tensor,
+    ssm_state_cache: torch.Tensor,
+    meta: Any,
+    *,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    conv_state_dim_first: bool,
+) -> torch.Tensor:
+    """The GDN core of a whole engine step as vLLM's GDN metadata (`GDNAttentionMetadata`) lays it out.
+
+    Without verify rows (``meta.spec_sequence_masks`` None) every request goes through
+    `gdn_core_varlen`; with them, the verify rows (``spec_token_indx``) go through `gdn_core_spec`
+    and the others (prefills: vLLM counts a one-token row as a prefill next to verify rows,
+    ``non_spec_token_indx``) through `gdn_core_varlen`. The conv cache may be the wide buffer of
+    speculative decoding: non-verify rows use its first K - 1 columns. Returns o ``[N, Hv, Dv]``.
+    """
+    kernel = conv_weight.shape[-1]
+    heads: dict[str, Any] = {"num_k_heads": num_k_heads, "head_k_dim": head_k_dim, "head_v_dim": head_v_dim}
+    narrow = _narrow_conv(conv_state_cache, kernel, conv_state_dim_first)
+    weights = (conv_weight, a_log, dt_bias)
+    if meta.spec_sequence_masks is None:
+        return gdn_core_varlen(
+            mixed_qkv, a, b, *weights, narrow, ssm_state_cache, meta.non_spec_state_indices_tensor,
+            meta.non_spec_query_start_loc, meta.has_initial_state, conv_state_dim_first=conv_state_dim_first, **heads,
+        )  # fmt: skip
+    num_tokens = mixed_qkv.shape[0]
+    out = mixed_qkv.new_zeros(num_tokens, a.shape[-1], head_v_dim)
+    spec_rows = meta.spec_token_indx.long()
+    spec_out = gdn_core_spec(
+        mixed_qkv.index_select(0, spec_rows), a.index_select(0, spec_rows), b.index_select(0, spec_rows), *weights,
+        conv_state_cache, ssm_state_cache, meta.spec_state_indices_tensor, meta.spec_query_start_loc,
+        meta.num_accepted_tokens, conv_state_dim_first=conv_state_dim_first, **heads,
+    )  # fmt: skip
+    out.index_copy_(0, spec_rows, spec_out)
+    if meta.num_prefills > 0 or meta.num_decodes > 0:
+        rows = meta.non_spec_token_indx.long()
+        other = gdn_core_varlen(
+            mixed_qkv.index_select(0, rows), a.index_select(0, rows), b.index_select(0, rows), *weights, narrow,
+            ssm_state_cache, meta.non_spec_state_indices_tensor, meta.non_spec_query_start_loc,
+            meta.has_initial_state, conv_state_dim_first=conv_state_dim_first, **heads,
+        )  # fmt: skip
+        out.index_copy_(0, rows, other)
+    return out

@@ -20,6 +20,11 @@ States live in the request's `linear_attention` slot (`vllm_model.state_shapes`)
   normalised gated values), model dtype.
 Either cache may be a strided view into a larger buffer; both are updated in place.
 
+Speculative decoding: a verify row of 1 + drafts tokens reads its states from the slot of the
+last token the previous step kept and writes the states after each of its tokens j to its own
+slot j (``write_indices``, vLLM's per-draft-position GDN slots, `write_per_position_`), so a
+rejected draft costs nothing to undo.
+
 Request r's tokens are the rows t with ``token_req[t] == r``, contiguous from
 ``query_start[r]``; token t sits at offset ``o = t - query_start[r]`` of the step. What lies
 ``s`` tokens back is row ``t - s`` when ``o >= s``, else the request's state. Everything is a
@@ -31,17 +36,18 @@ run inside vLLM's CUDA-graph-captured decode steps and on CPU alike.
 Padding: a token with ``token_req = -1``, or of a request whose slot is negative (vLLM's
 PAD_SLOT_ID), gets zero rows and a zero term. A slot is written only for a request with a
 non-negative slot and at least one token this step, so vLLM's padded requests (no tokens, slot
-0, the null block) leave their slots as they are (`_write_slots_` says how, with static shapes).
+0, the null block) leave their slots as they are (`common.write_slots_` says how, with static shapes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from qwen38_plugin.ops.common import rms_norm
+from qwen38_plugin.ops.common import rms_norm, write_slots_
 from qwen38_plugin.ops.ple import gated_values
 
 
@@ -99,25 +105,27 @@ def _step_index(
     )
 
 
-def _write_slots_(cache: torch.Tensor, slots: torch.Tensor, written: torch.Tensor, values: torch.Tensor) -> None:
-    """``cache[slots[r]] = values[r]`` for every r with ``written[r]``, as one index_copy_ of all R rows.
+def write_per_position_(
+    cache: torch.Tensor,
+    write_indices: torch.Tensor,
+    step: _StepIndex,
+    state_after: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Speculative verify rows: the state after each token j of request r into slot ``write_indices[r, j]``.
 
-    cache: ``[S, ...]``; slots: ``[R]`` long, >= 0; written: ``[R]`` bool; values: ``[R, ...]``.
-    With static shapes every row must go somewhere: a row not written repeats the first written
-    row's write (same slot, same value), so the duplicate indices store identical bytes. If no
-    row is written, every row rewrites slot ``slots[0]`` with what that slot already holds.
+    write_indices ``[R, P]`` int; ``state_after(count [R])`` -> the requests' states ``[R, ...]``
+    after their first ``count`` tokens of the step. Slot j is written where the request has a
+    slot, more than j tokens this step and ``write_indices[r, j] >= 0``; one write of ``R * P`` rows
+    (the loop runs over the P draft positions, fixed by the config), so the next step rolls back
+    by reading the slot of its last kept token.
     """
-    values = values.to(cache.dtype)
-    first = torch.argmax(written.to(torch.int32)).view(1)  # the first written row; 0 if none
-    first_slot = slots.index_select(0, first)
-    first_value = torch.where(
-        written.index_select(0, first).view((1,) * values.dim()),
-        values.index_select(0, first),
-        cache.index_select(0, first_slot),
-    )
-    target = torch.where(written, slots, first_slot)
-    source = torch.where(written.view((-1,) + (1,) * (values.dim() - 1)), values, first_value)
-    cache.index_copy_(0, target, source)
+    slots, written, values = [], [], []
+    for j in range(write_indices.shape[1]):
+        slot = write_indices[:, j].long()
+        slots.append(slot.clamp_min(0))
+        written.append(step.written & (step.new_tokens > j) & (slot >= 0))
+        values.append(state_after(torch.full_like(step.new_tokens, j + 1)))
+    write_slots_(cache, torch.cat(slots), torch.cat(written), torch.cat(values))
 
 
 def ngram_rows_varlen(
@@ -133,6 +141,7 @@ def ngram_rows_varlen(
     *,
     heads_per_ngram: int,
     eos_token_id: int,
+    write_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Embedding-table rows of every (token, n-gram head) of a step; moves the n-gram contexts on.
 
@@ -145,6 +154,10 @@ def ngram_rows_varlen(
     `ple.ngram_ids` per request: wrapping int64 hashes, and an n-gram never reaches back across
     an EOS (a token before the latest EOS reads as EOS). Each written slot's context becomes the
     request's last n - 1 token ids.
+
+    ``write_indices`` ``[R, P]`` int (speculative verify rows, vLLM's ``spec_state_indices_tensor``):
+    read each request's context from ``state_indices`` (the slot of the last kept token) and write
+    the context after its token j into ``write_indices[r, j]`` (`write_per_position_`).
     """
     ngram_size = multipliers.shape[0]
     if ngram_size < 2:
@@ -179,12 +192,18 @@ def ngram_rows_varlen(
         pieces.append(torch.remainder(mixed[:, None], head_vocab_sizes[heads]) + head_offsets[heads])
     rows = torch.where(step.is_token[:, None], torch.cat(pieces, dim=-1), 0)
 
-    # The new context: entries [c, c + n - 1) of [context | the c new tokens].
-    history = step.new_tokens[:, None] + torch.arange(context_len, device=ids.device)  # [R, n - 1]
-    from_context = context.gather(1, history.clamp_max(context_len - 1))
-    token_rows = (query_start.long()[:, None] + history - context_len).clamp(0, num_tokens - 1)
-    from_step = ids.index_select(0, token_rows.flatten()).view(num_requests, context_len)
-    _write_slots_(context_cache, step.slots, step.written, torch.where(history < context_len, from_context, from_step))
+    def new_context(count: torch.Tensor) -> torch.Tensor:
+        # The context after `count [R]` tokens: entries [c, c + n - 1) of [context | the c new tokens].
+        history = count[:, None] + torch.arange(context_len, device=ids.device)  # [R, n - 1]
+        from_context = context.gather(1, history.clamp_max(context_len - 1))
+        token_rows = (query_start.long()[:, None] + history - context_len).clamp(0, num_tokens - 1)
+        from_step = ids.index_select(0, token_rows.flatten()).view(num_requests, context_len)
+        return torch.where(history < context_len, from_context, from_step)
+
+    if write_indices is None:
+        write_slots_(context_cache, step.slots, step.written, new_context(step.new_tokens))
+    else:
+        write_per_position_(context_cache, write_indices, step, new_context)
     return rows
 
 
@@ -205,6 +224,7 @@ def ple_mix_varlen(
     hc_count: int,
     ngram_size: int,
     eps: float,
+    write_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The PLE term of every token of a step (to add to the streams); moves the conv states on.
 
@@ -216,6 +236,8 @@ def ple_mix_varlen(
     request: ``gated + silu(conv(norm(gated)))`` with the per-stream gated value and a causal
     depthwise conv of kernel K and dilation n continuing from the request's conv state (zeros
     for a fresh request). Each written slot's conv state becomes the last (K - 1) * n conv inputs.
+    ``write_indices``: as in `ngram_rows_varlen` (the conv state after each verified token j goes
+    to ``write_indices[r, j]``).
     """
     num_tokens, width = streams.shape
     num_requests = query_start.shape[0]
@@ -254,12 +276,19 @@ def ple_mix_varlen(
     conv = F.silu(acc.to(conv_weight.dtype)).to(gated.dtype)
     term = torch.where(step.is_token[:, None], gated + conv, 0)
 
-    # The new state: entries [c, c + span) of [state | the c new inputs], as [R, hc * H, span].
-    history = step.new_tokens[:, None] + torch.arange(span, device=streams.device)  # [R, span]
-    own_rows = torch.arange(num_requests, device=streams.device)[:, None] * span
-    from_state = state_rows.index_select(0, (own_rows + history.clamp_max(span - 1)).flatten())
-    token_rows = (query_start.long()[:, None] + history - span).clamp(0, num_tokens - 1)
-    from_step = conv_inputs.index_select(0, token_rows.flatten())
-    new_state = torch.where((history < span).flatten()[:, None], from_state, from_step)
-    _write_slots_(conv_state_cache, step.slots, step.written, new_state.view(num_requests, span, width).transpose(1, 2))
+    def new_state(count: torch.Tensor) -> torch.Tensor:
+        # The state after `count [R]` tokens: entries [c, c + span) of [state | the c new inputs],
+        # as [R, hc * H, span].
+        history = count[:, None] + torch.arange(span, device=streams.device)  # [R, span]
+        own_rows = torch.arange(num_requests, device=streams.device)[:, None] * span
+        from_state = state_rows.index_select(0, (own_rows + history.clamp_max(span - 1)).flatten())
+        token_rows = (query_start.long()[:, None] + history - span).clamp(0, num_tokens - 1)
+        from_step = conv_inputs.index_select(0, token_rows.flatten())
+        state = torch.where((history < span).flatten()[:, None], from_state, from_step)
+        return state.view(num_requests, span, width).transpose(1, 2)
+
+    if write_indices is None:
+        write_slots_(conv_state_cache, step.slots, step.written, new_state(step.new_tokens))
+    else:
+        write_per_position_(conv_state_cache, write_indices, step, new_state)
     return term
