@@ -1,5 +1,5 @@
 """The portable model's verify path in a real vLLM engine on CPU: greedy output with vLLM's n-gram
-proposer (1 to 4 speculative tokens) equals greedy output without speculation, for concurrent
+proposer (1 and 4 speculative tokens) equals greedy output without speculation, for concurrent
 requests of mixed lengths whose chunked prefills share steps with verify rows.
 
 The dispatcher still refuses ``--speculative-config`` for the portable model (it has no MTP drafter
@@ -49,7 +49,8 @@ def greedy(tiny_checkpoint: Callable[..., Path]) -> tuple[Path, list[list[int]],
     return model, prompts, run_engine(model, 0, prompts, max_num_batched_tokens=32, max_num_seqs=8)["tokens"]
 
 
-@pytest.mark.parametrize("num_spec", [1, 2, 3, 4])
+# 1 and 4 (the widest MTP setting); 2 and 3 take the same path (about 50 s an engine start on 2 cores)
+@pytest.mark.parametrize("num_spec", [1, 4])
 def test_ngram_speculation_keeps_greedy_output(
     greedy: tuple[Path, list[list[int]], list[list[int]]], num_spec: int
 ) -> None:
