@@ -54,51 +54,73 @@ def vllm_prompt(request: dict[str, Any]) -> dict[str, Any]:
 
 def hf_inputs(processor: Any, request: dict[str, Any]) -> dict[str, torch.Tensor]:
     """transformers' processor outputs for the request (the same frames, none resampled)."""
+    images = [make_image(*spec) for spec in request.get("images") or []]
+    videos = []
+    if request.get("video"):
+        videos = [(make_frames(*request["video"]), video_metadata(request["video"][0]))]
+    return hf_process(processor, request["text"], images, videos)
+
+
+def hf_process(
+    processor: Any, text: str, images: list[Any], videos: list[tuple[np.ndarray, dict[str, Any]]]
+) -> dict[str, torch.Tensor]:
+    """transformers' processor on `text` with its media: each video as vLLM's loader hands it over
+    (frames and metadata). A clip whose every frame was decoded (``do_sample_frames`` true in the
+    loader's metadata) is sampled by the processor at its own rate, as vLLM's processor does;
+    frames a loader already picked are taken as they are."""
     from transformers.video_utils import VideoMetadata
 
     kwargs: dict[str, Any] = {}
-    if request.get("images"):
-        kwargs["images"] = [make_image(*spec) for spec in request["images"]]
-    if request.get("video"):
-        frames = request["video"][0]
-        meta = video_metadata(frames)
-        kwargs["videos"] = [make_frames(*request["video"])]
+    if images:
+        kwargs["images"] = images
+    if videos:
+        kwargs["videos"] = [frames for frames, _ in videos]
         kwargs["video_metadata"] = [
-            VideoMetadata(total_num_frames=frames, fps=meta["fps"], duration=meta["duration"],
-                          frames_indices=meta["frames_indices"], video_backend="opencv")
+            VideoMetadata(total_num_frames=meta["total_num_frames"], fps=meta["fps"], duration=meta["duration"],
+                          frames_indices=list(meta["frames_indices"]), video_backend="opencv")
+            for _, meta in videos
         ]  # fmt: skip
-        kwargs["do_sample_frames"] = False
-    return dict(processor(text=[request["text"]], return_tensors="pt", **kwargs))
+        sample = {bool(meta.get("do_sample_frames", False)) for _, meta in videos}
+        assert len(sample) == 1, "one call samples all videos or none"
+        kwargs["do_sample_frames"] = sample.pop()
+    return dict(processor(text=[text], return_tensors="pt", **kwargs))
 
 
 def hf_reference(path: Path, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """transformers' `Qwen4ExpForConditionalGeneration` in fp32 on each request alone: its prompt
-    ids, the logprob of every prompt token (`prompt_logprobs`, None for the first), and greedy
-    decoding without a cache (every step a full forward over prompt and images: a cold run),
-    with the logprob of each chosen token and the whole last-step logprob vector's top 5."""
-    from transformers import AutoProcessor, Qwen4ExpForConditionalGeneration
+    """`hf_run` on each request alone."""
+    from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
-    model = Qwen4ExpForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
+    model = load_hf_model(path)
+    return [hf_run(model, hf_inputs(processor, request), request["max_tokens"]) for request in requests]
+
+
+def load_hf_model(path: Path) -> Any:
+    from transformers import Qwen4ExpForConditionalGeneration
+
+    return Qwen4ExpForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_run(model: Any, inputs: dict[str, torch.Tensor], max_tokens: int) -> dict[str, Any]:
+    """transformers' `Qwen4ExpForConditionalGeneration` in fp32 on one prompt: its ids, the
+    logprob of every prompt token (`prompt_logprobs`, None for the first), and greedy decoding
+    without a cache (every step a full forward over prompt and media: a cold run), with the
+    logprob of each chosen token."""
+    inputs = dict(inputs)
     with torch.no_grad():
-        for request in requests:
-            inputs = hf_inputs(processor, request)
-            ids = inputs["input_ids"]
-            logprobs = torch.log_softmax(model(**inputs).logits[0].float(), -1)
-            prompt_logprobs = [None] + [float(logprobs[i, ids[0, i + 1]]) for i in range(ids.shape[1] - 1)]
-            tokens, token_logprobs = [], []
-            step_logprobs = logprobs[-1]
-            for _ in range(request["max_tokens"]):
-                token = int(step_logprobs.argmax())
-                tokens.append(token)
-                token_logprobs.append(float(step_logprobs[token]))
-                inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)
-                inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-                inputs["mm_token_type_ids"] = torch.cat(
-                    [inputs["mm_token_type_ids"], torch.zeros((1, 1), dtype=inputs["mm_token_type_ids"].dtype)], 1
-                )
-                step_logprobs = torch.log_softmax(model(**inputs).logits[0, -1].float(), -1)
-            out.append({"prompt_token_ids": ids[0].tolist(), "prompt_logprobs": prompt_logprobs, "tokens": tokens,
-                        "logprobs": token_logprobs})  # fmt: skip
-    return out
+        ids = inputs["input_ids"]
+        logprobs = torch.log_softmax(model(**inputs).logits[0].float(), -1)
+        prompt_logprobs = [None] + [float(logprobs[i, ids[0, i + 1]]) for i in range(ids.shape[1] - 1)]
+        tokens, token_logprobs = [], []
+        step_logprobs = logprobs[-1]
+        for _ in range(max_tokens):
+            token = int(step_logprobs.argmax())
+            tokens.append(token)
+            token_logprobs.append(float(step_logprobs[token]))
+            inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)
+            inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+            types = inputs["mm_token_type_ids"]
+            inputs["mm_token_type_ids"] = torch.cat([types, torch.zeros((1, 1), dtype=types.dtype)], 1)
+            step_logprobs = torch.log_softmax(model(**inputs).logits[0, -1].float(), -1)
+    return {"prompt_token_ids": ids[0].tolist(), "prompt_logprobs": prompt_logprobs, "tokens": tokens,
+            "logprobs": token_logprobs}  # fmt: skip
