@@ -1,9 +1,11 @@
-"""Which implementation serves `Qwen4ExpForCausalLM`: stock vLLM's or qwen38_plugin's portable one.
+"""Which implementation serves `Qwen4ExpForCausalLM` and `Qwen4ExpForConditionalGeneration` (images
+and video): stock vLLM's or qwen38_plugin's portable one.
 
 `register()` cannot see the model dtype (it runs before any config exists), so it registers a
-dispatching class (`qwen38_plugin.vllm_dispatch`) under the architecture name instead of a
-model; the class applies the rule below wherever vLLM hands it a `VllmConfig`. This module holds
-the rule and imports vLLM only inside functions, so `register()` stays cheap.
+dispatching class (`qwen38_plugin.vllm_dispatch`, `qwen38_plugin.vllm_mm_model`) under each
+architecture name instead of a model; the class applies the rule below wherever vLLM hands it a
+`VllmConfig`. This module holds the rule and imports vLLM only inside functions, so `register()`
+stays cheap.
 
 The rule (`decide`): ours where stock's cannot run, stock's everywhere else.
 - stock cannot run on the CPU platform, on CUDA below compute capability 8.0, on platforms
