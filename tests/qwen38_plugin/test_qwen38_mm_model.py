@@ -141,3 +141,17 @@ def test_startup_refusals_name_the_field_and_the_fix(configs: dict[str, Any], tm
     ):
         check_multimodal_config(engine_config(clip, dtype="float32"))
     check_multimodal_config(engine_config(clip, dtype="float32", mm_device_do_normalize=False))
+
+
+def test_language_model_only_builds_no_tower(vllm_single_rank: None) -> None:
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.models.utils import StageMissingLayer
+
+    from qwen38_plugin.vllm_mm_model import PortableQwen4ExpForConditionalGeneration, Qwen4ExpForConditionalGeneration
+
+    config = engine_config(dtype="float32", language_model_only=True)
+    # stock's config hook strips the M-RoPE sections: text positions only, nothing to refuse
+    assert not config.model_config.uses_mrope
+    model = initialize_model(config, model_class=Qwen4ExpForConditionalGeneration)
+    assert type(model) is PortableQwen4ExpForConditionalGeneration
+    assert isinstance(model.visual, StageMissingLayer)
