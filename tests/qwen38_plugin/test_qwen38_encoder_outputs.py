@@ -3,9 +3,10 @@
 Stock's Qwen4Exp multimodal model (Qwen3-VL's `embed_multimodal`) returns its batch's vision
 output split into per-item views; vLLM's model runner caches each item under its hash
 (`GPUModelRunner._cache_encoder_output`, also the CPU runner's) and evicts items one at a time.
-The class qwen38_plugin registers for the architecture gives each item its own memory. Checked on
-stock's own `embed_multimodal` path (the vision tower replaced by a stand-in: stock's model cannot
-be built on CPU), cached and partly evicted through stock's runner method.
+Both classes the plugin's dispatcher for the architecture builds (stock's, where it runs, and the
+portable one) give each item its own memory. Checked on stock's own `embed_multimodal` path (the
+vision tower replaced by a stand-in: stock's model cannot be built on CPU), cached and partly
+evicted through stock's runner method.
 """
 
 from __future__ import annotations
@@ -59,17 +60,21 @@ def model_without_init(cls: type) -> Any:
 
 @pytest.fixture(scope="module")
 def classes() -> tuple[type, type]:
-    from vllm.model_executor.models import ModelRegistry
+    """Stock's class and the one the plugin builds where stock's runs (the dispatcher's choice on
+    CUDA >= 8.0 in bf16)."""
     from vllm.models.qwen4_exp import Qwen4ExpForConditionalGeneration as stock
 
-    import qwen38_plugin
+    from qwen38_plugin.vllm_mm_model import OwnedMemoryQwen4ExpForConditionalGeneration
 
-    qwen38_plugin.register()
-    ours = ModelRegistry._try_load_model_cls(ARCH)
-    return stock, ours
+    return stock, OwnedMemoryQwen4ExpForConditionalGeneration
 
 
 def test_registered_class_is_stocks_with_stocks_processor(classes: tuple[type, type]) -> None:
+    from vllm.model_executor.models import ModelRegistry
+
+    import qwen38_plugin
+    from qwen38_plugin.dispatch import STOCK_MODELS
+
     stock, ours = classes
     assert ours is not stock and issubclass(ours, stock) and ours.is_qwen38_owned_encoder_outputs
     assert ours._processor_factory is stock._processor_factory  # stock's multimodal processor
@@ -78,6 +83,11 @@ def test_registered_class_is_stocks_with_stocks_processor(classes: tuple[type, t
         "is_qwen38_owned_encoder_outputs",
         "embed_multimodal",
     }
+    # The registered class is the dispatcher; where stock's runs it builds this class.
+    qwen38_plugin.register()
+    registered = ModelRegistry._try_load_model_cls(ARCH)
+    assert registered.is_qwen38_dispatcher and issubclass(registered, ours)
+    assert STOCK_MODELS[ARCH] == f"{ours.__module__}:{ours.__name__}"
 
 
 def cache_then_evict(model: Any) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], int]:
@@ -96,8 +106,13 @@ def cache_then_evict(model: Any) -> tuple[dict[str, torch.Tensor], list[torch.Te
     return runner.encoder_cache, list(outputs), batch_bytes
 
 
-def test_partial_eviction_frees_the_evicted_items(classes: tuple[type, type]) -> None:
+@pytest.mark.parametrize("implementation", ["stock's", "portable"])
+def test_partial_eviction_frees_the_evicted_items(classes: tuple[type, type], implementation: str) -> None:
+    from qwen38_plugin.vllm_mm_model import PortableQwen4ExpForConditionalGeneration
+
     stock, ours = classes
+    if implementation == "portable":  # the same embed_multimodal: stock's, owning its outputs
+        ours = PortableQwen4ExpForConditionalGeneration
     stock_cache, stock_out, batch_bytes = cache_then_evict(model_without_init(stock))
     our_cache, our_out, _ = cache_then_evict(model_without_init(ours))
     item_bytes = 4 * 256 * 4  # image "b": 4 merged patches x 256 channels, fp32

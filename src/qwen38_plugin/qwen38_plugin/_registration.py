@@ -38,6 +38,7 @@ def _announce(message: str) -> None:
 # The dispatcher picks stock's or our implementation per model (platform, capability, dtype).
 DISPATCH_MODEL = "qwen38_plugin.vllm_dispatch:Qwen4ExpForCausalLM"
 MM_ARCHITECTURE = "Qwen4ExpForConditionalGeneration"
+# The same rule for images and video: stock's (encoder outputs owning their memory) or portable.
 MM_MODEL = "qwen38_plugin.vllm_mm_model:Qwen4ExpForConditionalGeneration"
 
 
@@ -92,9 +93,10 @@ def register_with_vllm() -> list[str]:
     # A lazy "module:Class" reference: vLLM imports the dispatcher only when it inspects or
     # builds the architecture; the dispatcher logs which implementation it chose and why.
     ModelRegistry.register_model(ARCHITECTURE, DISPATCH_MODEL)
-    # Stock's multimodal model, with encoder outputs that own their memory (issue 13 item 5).
+    # Stock's multimodal model (its encoder outputs owning their memory, issue 13 item 5) or the
+    # portable one, chosen per model by the same rule.
     ModelRegistry.register_model(MM_ARCHITECTURE, MM_MODEL)
-    registered.append(f"{MM_ARCHITECTURE} (stock's, encoder outputs owning their memory)")
+    registered.append(f"{MM_ARCHITECTURE} dispatcher (the same rule)")
     registered.append(summary)
 
     _announce(

@@ -1,9 +1,11 @@
-"""Which implementation serves `Qwen4ExpForCausalLM`: stock vLLM's or qwen38_plugin's portable one.
+"""Which implementation serves `Qwen4ExpForCausalLM` and `Qwen4ExpForConditionalGeneration` (images
+and video): stock vLLM's or qwen38_plugin's portable one.
 
 `register()` cannot see the model dtype (it runs before any config exists), so it registers a
-dispatching class (`qwen38_plugin.vllm_dispatch`) under the architecture name instead of a
-model; the class applies the rule below wherever vLLM hands it a `VllmConfig`. This module holds
-the rule and imports vLLM only inside functions, so `register()` stays cheap.
+dispatching class (`qwen38_plugin.vllm_dispatch`, `qwen38_plugin.vllm_mm_model`) under each
+architecture name instead of a model; the class applies the rule below wherever vLLM hands it a
+`VllmConfig`. This module holds the rule and imports vLLM only inside functions, so `register()`
+stays cheap.
 
 The rule (`decide`): ours where stock's cannot run, stock's everywhere else.
 - stock cannot run on the CPU platform, on CUDA below compute capability 8.0, on platforms
@@ -34,7 +36,15 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 ARCHITECTURE = "Qwen4ExpForCausalLM"
+MM_ARCHITECTURE = "Qwen4ExpForConditionalGeneration"
 PORTABLE_MODEL = "qwen38_plugin.vllm_model:PortableQwen4ExpForCausalLM"
+# Per architecture: the portable implementation, and stock's where the plugin wraps it (the
+# multimodal one: stock's class with encoder outputs owning their memory); else vLLM's table's.
+PORTABLE_MODELS = {
+    ARCHITECTURE: PORTABLE_MODEL,
+    MM_ARCHITECTURE: "qwen38_plugin.vllm_mm_model:PortableQwen4ExpForConditionalGeneration",
+}
+STOCK_MODELS = {MM_ARCHITECTURE: "qwen38_plugin.vllm_mm_model:OwnedMemoryQwen4ExpForConditionalGeneration"}
 FORCE_ENV = "QWEN38_FORCE_PORTABLE"
 
 logger = logging.getLogger("vllm.plugins.qwen38_plugin")
@@ -56,6 +66,7 @@ class Target:
     enable_hc_sp: bool = False
     # What stock's model needs from the checkpoint or the installation that is missing here.
     stock_lacks: tuple[str, ...] = ()
+    architecture: str = ARCHITECTURE
 
     def describe(self) -> str:
         where = (
@@ -68,10 +79,11 @@ class Target:
 class Choice:
     portable: bool
     reason: str
+    architecture: str = ARCHITECTURE
 
     def describe(self) -> str:
         which = "portable (qwen38_plugin)" if self.portable else "stock vLLM's"
-        return f"{ARCHITECTURE}: {which} implementation ({self.reason})"
+        return f"{self.architecture}: {which} implementation ({self.reason})"
 
 
 def read_force(environ: Mapping[str, str] | None = None) -> str | None:
@@ -119,21 +131,22 @@ def stock_lacks(hf_config: Any, platform: str) -> tuple[str, ...]:
 def decide(target: Target, force: str | None) -> Choice:
     """Pick the implementation for `target` under the switch value `force` ("1", "0" or None)."""
     blocker = why_stock_cannot_run(target)
+    arch = target.architecture
     if force == "1":
-        choice = Choice(True, f"{FORCE_ENV}=1")
+        choice = Choice(True, f"{FORCE_ENV}=1", arch)
     elif force == "0":
         if blocker is not None:
             raise DispatchError(
-                f"{FORCE_ENV}=0 forbids the portable Qwen4Exp model, but stock vLLM's {ARCHITECTURE} cannot run "
+                f"{FORCE_ENV}=0 forbids the portable Qwen4Exp model, but stock vLLM's {arch} cannot run "
                 f"here: {blocker}. Unset {FORCE_ENV} to serve with qwen38_plugin's portable model, or run on "
                 "CUDA >= 8.0 (or ROCm) in bfloat16 with a config that sets output_gate_type and stock's kernel "
                 "packages installed."
             )
-        choice = Choice(False, f"{FORCE_ENV}=0")
+        choice = Choice(False, f"{FORCE_ENV}=0", arch)
     elif blocker is not None:
-        choice = Choice(True, blocker)
+        choice = Choice(True, blocker, arch)
     else:
-        choice = Choice(False, f"{target.describe()}: stock's runs here")
+        choice = Choice(False, f"{target.describe()}: stock's runs here", arch)
     if choice.portable:
         _refuse_what_portable_lacks(target, choice)
     return choice
@@ -155,13 +168,18 @@ def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
         lacks.append("--enable-hc-sp (hyper-connection sequence parallelism): drop it")
     if lacks:
         raise DispatchError(
-            f"{ARCHITECTURE} runs on qwen38_plugin's portable model here ({choice.reason}), which does not "
+            f"{target.architecture} runs on qwen38_plugin's portable model here ({choice.reason}), which does not "
             f"support: {'; '.join(lacks)}"
         )
 
 
-def target_of(vllm_config: VllmConfig, platform: tuple[str, tuple[int, int] | None] | None = None) -> Target:
-    """The `Target` of a vLLM config on this process's platform (or on `platform`, for tests)."""
+def target_of(
+    vllm_config: VllmConfig,
+    platform: tuple[str, tuple[int, int] | None] | None = None,
+    architecture: str = ARCHITECTURE,
+) -> Target:
+    """The `Target` of a vLLM config for `architecture` on this process's platform (or on
+    `platform`, for tests)."""
     if platform is None:
         platform = current_platform_target()
     dtype = vllm_config.model_config.dtype
@@ -177,6 +195,7 @@ def target_of(vllm_config: VllmConfig, platform: tuple[str, tuple[int, int] | No
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         enable_hc_sp=bool(getattr(parallel, "enable_hc_sp", False)),
         stock_lacks=stock_lacks(vllm_config.model_config.hf_text_config, platform[0]),
+        architecture=architecture,
     )
 
 
@@ -193,8 +212,8 @@ def current_platform_target() -> tuple[str, tuple[int, int] | None]:
     return str(getattr(current_platform, "device_name", None) or type(current_platform).__name__), None
 
 
-def choose(vllm_config: VllmConfig) -> Choice:
-    return decide(target_of(vllm_config), read_force())
+def choose(vllm_config: VllmConfig, architecture: str = ARCHITECTURE) -> Choice:
+    return decide(target_of(vllm_config, architecture=architecture), read_force())
 
 
 _announced: set[str] = set()
@@ -210,7 +229,9 @@ def announce(choice: Choice) -> None:
 
 def implementation(choice: Choice) -> type[nn.Module]:
     if choice.portable:
-        module_name, class_name = PORTABLE_MODEL.split(":")
+        module_name, class_name = PORTABLE_MODELS[choice.architecture].split(":")
+    elif choice.architecture in STOCK_MODELS:
+        module_name, class_name = STOCK_MODELS[choice.architecture].split(":")
     else:
         module_name, class_name = stock_location()
     model_cls = getattr(importlib.import_module(module_name), class_name)
