@@ -212,6 +212,19 @@ def current_platform_target() -> tuple[str, tuple[int, int] | None]:
     return str(getattr(current_platform, "device_name", None) or type(current_platform).__name__), None
 
 
+def current_config(architecture: str) -> VllmConfig:
+    """The vLLM config being built (the dispatching classes' classmethods are asked outside a model)."""
+    from vllm.config import get_current_vllm_config
+
+    config = get_current_vllm_config()
+    if config.model_config is None:
+        raise DispatchError(
+            f"{architecture}: stock's or the portable implementation is chosen per vLLM config; call this on "
+            "the built model or inside set_current_vllm_config"
+        )
+    return config
+
+
 def choose(vllm_config: VllmConfig, architecture: str = ARCHITECTURE) -> Choice:
     return decide(target_of(vllm_config, architecture=architecture), read_force())
 

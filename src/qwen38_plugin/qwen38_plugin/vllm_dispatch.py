@@ -27,7 +27,15 @@ from vllm.model_executor.models.interfaces import (
     SupportsPP,
 )
 
-from qwen38_plugin.dispatch import ARCHITECTURE, DispatchError, announce, choose, implementation, stock_location
+from qwen38_plugin.dispatch import (
+    ARCHITECTURE,
+    DispatchError,
+    announce,
+    choose,
+    current_config,
+    implementation,
+    stock_location,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -138,12 +146,4 @@ class Qwen4ExpForCausalLM(
 
     @staticmethod
     def _current_config() -> VllmConfig:
-        from vllm.config import get_current_vllm_config
-
-        config = get_current_vllm_config()
-        if config.model_config is None:
-            raise DispatchError(
-                f"{ARCHITECTURE}: stock's or the portable implementation is chosen per vLLM config; call this "
-                "on the built model or inside set_current_vllm_config"
-            )
-        return config
+        return current_config(ARCHITECTURE)

@@ -25,7 +25,7 @@ from torch import nn
 from vllm.model_executor.models.interfaces import SupportsMambaPrefixCaching
 from vllm.models.qwen4_exp import Qwen4ExpForConditionalGeneration as _StockQwen4ExpForConditionalGeneration
 
-from qwen38_plugin.dispatch import MM_ARCHITECTURE, DispatchError, announce, choose, implementation
+from qwen38_plugin.dispatch import MM_ARCHITECTURE, DispatchError, announce, choose, current_config, implementation
 from qwen38_plugin.encoder_outputs import own_memory
 from qwen38_plugin.model import ConfigError
 
@@ -307,12 +307,4 @@ def _chosen_class(vllm_config: VllmConfig) -> Any:
 
 
 def _current_config() -> VllmConfig:
-    from vllm.config import get_current_vllm_config
-
-    config = get_current_vllm_config()
-    if config.model_config is None:
-        raise DispatchError(
-            f"{MM_ARCHITECTURE}: stock's or the portable implementation is chosen per vLLM config; call this on "
-            "the built model or inside set_current_vllm_config"
-        )
-    return config
+    return current_config(MM_ARCHITECTURE)

@@ -93,17 +93,10 @@ def gdn_core_varlen(
     num_v_heads = a.shape[-1]
     kernel = conv_weight.shape[-1]
     conv_slot_shape = (channels, kernel - 1) if conv_state_dim_first else (kernel - 1, channels)
-    if tuple(conv_state_cache.shape[1:]) != conv_slot_shape:
-        raise ValueError(
-            f"gdn_core_varlen: conv_state_cache {tuple(conv_state_cache.shape)} has slots "
-            f"{tuple(conv_state_cache.shape[1:])}, expected {conv_slot_shape} "
-            f"(conv_state_dim_first={conv_state_dim_first})"
-        )
-    if tuple(ssm_state_cache.shape[1:]) != (num_v_heads, head_v_dim, head_k_dim):
-        raise ValueError(
-            f"gdn_core_varlen: ssm_state_cache {tuple(ssm_state_cache.shape)} has slots "
-            f"{tuple(ssm_state_cache.shape[1:])}, expected (Hv, Dv, Dk) = {(num_v_heads, head_v_dim, head_k_dim)}"
-        )
+    _check_slots(
+        "gdn_core_varlen", conv_state_cache, conv_slot_shape, ssm_state_cache, (num_v_heads, head_v_dim, head_k_dim),
+        f"(conv_state_dim_first={conv_state_dim_first})",
+    )  # fmt: skip
     out = mixed_qkv.new_zeros(num_tokens, num_v_heads, head_v_dim)
     starts: list[int] = query_start_loc.tolist()
     slots: list[int] = state_indices.tolist()
@@ -205,6 +198,27 @@ def _run_requests(
     ssm_state_cache.index_copy_(0, slots, new_ssm_state.transpose(-1, -2).to(ssm_state_cache.dtype))
 
 
+def _check_slots(
+    op: str,
+    conv_state_cache: torch.Tensor,
+    conv_slot: tuple[int, ...],
+    ssm_state_cache: torch.Tensor,
+    ssm_slot: tuple[int, ...],
+    conv_note: str,
+) -> None:
+    """Refuse state caches whose slots are not the shapes the op computes, naming both."""
+    if tuple(conv_state_cache.shape[1:]) != conv_slot:
+        raise ValueError(
+            f"{op}: conv_state_cache {tuple(conv_state_cache.shape)} has slots "
+            f"{tuple(conv_state_cache.shape[1:])}, expected {conv_slot} {conv_note}"
+        )
+    if tuple(ssm_state_cache.shape[1:]) != ssm_slot:
+        raise ValueError(
+            f"{op}: ssm_state_cache {tuple(ssm_state_cache.shape)} has slots "
+            f"{tuple(ssm_state_cache.shape[1:])}, expected (Hv, Dv, Dk) = {ssm_slot}"
+        )
+
+
 def _narrow_conv(conv_state_cache: torch.Tensor, kernel: int, conv_state_dim_first: bool) -> torch.Tensor:
     """The first K - 1 columns of a (possibly wide, speculative) conv buffer: a prefill's conv state."""
     return conv_state_cache[..., : kernel - 1] if conv_state_dim_first else conv_state_cache[:, : kernel - 1]
@@ -252,17 +266,10 @@ def gdn_core_spec(
     kernel = conv_weight.shape[-1]
     state_len = kernel - 1 + positions - 1
     conv_slot_shape = (channels, state_len) if conv_state_dim_first else (state_len, channels)
-    if tuple(conv_state_cache.shape[1:]) != conv_slot_shape:
-        raise ValueError(
-            f"gdn_core_spec: conv_state_cache {tuple(conv_state_cache.shape)} has slots "
-            f"{tuple(conv_state_cache.shape[1:])}, expected {conv_slot_shape} for kernel {kernel} and "
-            f"{positions - 1} speculative tokens (conv_state_dim_first={conv_state_dim_first})"
-        )
-    if tuple(ssm_state_cache.shape[1:]) != (num_v_heads, head_v_dim, head_k_dim):
-        raise ValueError(
-            f"gdn_core_spec: ssm_state_cache {tuple(ssm_state_cache.shape)} has slots "
-            f"{tuple(ssm_state_cache.shape[1:])}, expected (Hv, Dv, Dk) = {(num_v_heads, head_v_dim, head_k_dim)}"
-        )
+    _check_slots(
+        "gdn_core_spec", conv_state_cache, conv_slot_shape, ssm_state_cache, (num_v_heads, head_v_dim, head_k_dim),
+        f"for kernel {kernel} and {positions - 1} speculative tokens (conv_state_dim_first={conv_state_dim_first})",
+    )  # fmt: skip
     out = mixed_qkv.new_zeros(num_tokens + 1, num_v_heads, head_v_dim)  # row N: where padding goes
     if num_tokens == 0 or num_requests == 0:
         return out[:num_tokens]
