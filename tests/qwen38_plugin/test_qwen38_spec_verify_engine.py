@@ -1,6 +1,7 @@
 """The portable model's verify path in a real vLLM engine on CPU: greedy output with vLLM's n-gram
-proposer (1 and 4 speculative tokens) equals greedy output without speculation, for concurrent
-requests of mixed lengths whose chunked prefills share steps with verify rows.
+proposer (1 and 4 speculative tokens) equals transformers' greedy output (which the engine gives
+without speculation, bit for bit in fp32: test_qwen38_vllm_engine.py), for concurrent requests of
+mixed lengths whose chunked prefills share steps with verify rows.
 
 The dispatcher still refuses ``--speculative-config`` for the portable model (it has no MTP drafter
 yet), so the engine script lifts the refusal for n-gram in its own process (`qwen38_engine_verify`).
@@ -21,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.engines import IN_PROCESS
+from tests.qwen38_plugin.qwen38_reference import load_reference, reference_greedy_one
 from tests.qwen38_plugin.test_qwen38_vllm_engine import mixed_prompts
 
 HERE = Path(__file__).resolve().parent
@@ -46,7 +49,10 @@ def greedy(tiny_checkpoint: Callable[..., Path]) -> tuple[Path, list[list[int]],
     model = tiny_checkpoint("qwen4_exp_text")
     # Each prompt of 3 or more tokens ends as it starts, so the n-gram proposer drafts at once.
     prompts = [p + p[:3] if len(p) >= 3 else p for p in mixed_prompts(2)]
-    return model, prompts, run_engine(model, 0, prompts, max_num_batched_tokens=32, max_num_seqs=8)["tokens"]
+    hf = load_reference(model, torch.float32)
+    with torch.no_grad():
+        expected = [reference_greedy_one(hf, prompt, STEPS)[0] for prompt in prompts]
+    return model, prompts, expected
 
 
 # 1 and 4 (the widest MTP setting); 2 and 3 take the same path (about 50 s an engine start on 2 cores)
