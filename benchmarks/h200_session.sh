@@ -9,7 +9,8 @@
 #      exactness; GPU 0: fp16 exactness (breakable and compiled CUDA graphs, eager); then TP=2.
 #   b: bench_gpu.py (medium config, fp16, vLLM on GPU 0 against the roofline and stock's model,
 #      transformers on GPU 1 at the same time).
-#   p: the decode step under torch's profiler (GPU 0) beside the decode benchmark (GPU 1).
+#   p: the decode step under torch's profiler, breakable graphs then torch.compile (GPU 0), beside the
+#      decode benchmark in both modes (GPU 1).
 #   c: GPU 1: exactness in vLLM's V1 model runner; meanwhile CSF's kernels, CSF served against its sources at
 #      TP=1 and TP=2, its load overhead and the Qwen4Exp NVFP4-CSF check (CSF_BUDGET seconds).
 #
@@ -71,16 +72,16 @@ c)
         >"$res/csf.log" 2>&1
     ;;
 p)
-    # where a decode step goes (GPU 0: torch profiler, breakable CUDA graphs then eager) while GPU 1
-    # runs the decode benchmark (graphs and eager, then transformers on the same GPU)
+    # where a decode step goes (GPU 0: torch profiler, breakable CUDA graphs then torch.compile) while
+    # GPU 1 runs the decode benchmark (both modes, then transformers on the same GPU)
     (
         CUDA_VISIBLE_DEVICES=0 timeout $(lim 200) python3 benchmarks/qwen38_plugin/profile_gpu.py "$res/profile-graphs" \
             --work $work/q38
-        CUDA_VISIBLE_DEVICES=0 timeout $(lim 150) python3 benchmarks/qwen38_plugin/profile_gpu.py "$res/profile-eager" \
-            --enforce-eager --batches 1 --work $work/q38
+        CUDA_VISIBLE_DEVICES=0 timeout $(lim 200) python3 benchmarks/qwen38_plugin/profile_gpu.py "$res/profile-compiled" \
+            --compiled --work $work/q38
     ) >"$res/profile.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 timeout $(lim 560) python3 benchmarks/qwen38_plugin/bench_gpu.py "$res/bench" \
-        --work $work/q38 --modes graphs,eager --timeout 300 >"$res/bench.log" 2>&1
+        --work $work/q38 --modes graphs,compiled --timeout 300 >"$res/bench.log" 2>&1
     wait
     ;;
 d)

@@ -2,9 +2,11 @@
 against the GPU's busy time per step, and the top kernels and host calls, from torch's profiler.
 
     python benchmarks/qwen38_plugin/profile_gpu.py OUT_DIR [--config medium] [--batches 1,64]
-        [--enforce-eager] [--work DIR]
+        [--enforce-eager | --compiled] [--work DIR]
 
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profiler sees the
+Modes: vLLM's default for this architecture (breakable CUDA graphs, no torch.compile),
+``--compiled`` (torch.compile with piecewise and full CUDA graphs: ``VLLM_USE_BREAKABLE_CUDAGRAPH=0``)
+or ``--enforce-eager``. The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profiler sees the
 model runner. For each batch size: a warm-up, then ``--steps`` decode steps of ``B`` requests
 under the profiler. Printed (and written to OUT_DIR/profile-b<B>.txt): wall ms per decode step,
 GPU kernel ms per step (the sum of kernel times: if it is far below the wall time, the step is
@@ -34,10 +36,14 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--enforce-eager", action="store_true")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--enforce-eager", action="store_true")
+    mode.add_argument("--compiled", action="store_true", help="torch.compile instead of breakable CUDA graphs")
     parser.add_argument("--work", type=Path)
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.compiled:
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
