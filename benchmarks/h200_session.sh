@@ -9,6 +9,7 @@
 #      exactness; GPU 0: fp16 exactness (breakable and compiled CUDA graphs, eager); then TP=2.
 #   b: bench_gpu.py (medium config, fp16, vLLM on GPU 0 against the roofline and stock's model,
 #      transformers on GPU 1 at the same time).
+#   s: the soak (tests/soak: load, preemption, prefix hits, faults) against a server with CUDA graphs.
 #   p: the decode step under torch's profiler, breakable graphs then torch.compile (GPU 0), beside the
 #      decode benchmark in both modes (GPU 1).
 #   c: GPU 1: exactness in vLLM's V1 model runner; meanwhile CSF's kernels, CSF served against its sources at
@@ -84,6 +85,12 @@ p)
         --work $work/q38 --modes graphs,compiled --timeout 300 >"$res/bench.log" 2>&1
     wait
     ;;
+s)
+    # the soak of tests/soak against a server on GPU 0 with CUDA graphs (issue 17 item 4), fp16
+    CUDA_VISIBLE_DEVICES=0 timeout $(lim 450) python3 benchmarks/soak_gpu.py "$res/soak" --dtype float16 \
+        --requests 120 --concurrency 32 >"$res/soak.log" 2>&1
+    tail -20 "$res/soak.log"
+    ;;
 d)
     # what fits a short call: fp16 exactness with CUDA graphs (GPU 1), the graphs decode bench (GPU 0)
     CUDA_VISIBLE_DEVICES=1 timeout $(lim 200) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 \
@@ -93,7 +100,7 @@ d)
     wait
     ;;
 *)
-    echo "part: a, b, c, d or p" >&2
+    echo "part: a, b, c, d, p or s" >&2
     exit 2
     ;;
 esac

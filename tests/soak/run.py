@@ -6,8 +6,9 @@ Prints a summary (and `--json` a full report) and exits 1 when a request returne
 tokens than alone, failed, `/health` failed, or the KV cache usage did not return to idle.
 Tool-call requests force their output through the test-support logits processor; start the
 server with `--logits-processors tests.tool_parsers.forced_output:ForcedOutputLogitsProcessor`
-(this repository on its PYTHONPATH), or pass `--no-forced-output`. Add `--faults` to send the
-bad requests of `tests/soak/faults.py` afterwards, each followed by a normal request.
+(this repository on its PYTHONPATH), or pass `--no-forced-output`. `benchmarks/soak_gpu.py` starts
+the soak's server itself and also sends the bad requests of `tests/soak/faults.py`, each followed by
+a normal request.
 """
 
 from __future__ import annotations
