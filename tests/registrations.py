@@ -23,7 +23,7 @@ REGISTRATION = re.compile(
 QWEN38_ON_CPU = (
     "transformers config qwen3_8_flash_next_text, transformers config qwen3_8_flash_next, "
     "CPU seeded-sampling fix, multimodal defaults for Qwen4ExpForConditionalGeneration, "
-    "Qwen4ExpForConditionalGeneration (stock's, encoder outputs owning their memory), "
+    "Qwen4ExpForConditionalGeneration dispatcher (the same rule), "
     "portable Qwen4ExpForCausalLM (CPU platform)"
 )
 
