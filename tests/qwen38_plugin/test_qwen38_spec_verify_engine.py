@@ -26,6 +26,7 @@ import torch
 
 from tests.engines import IN_PROCESS
 from tests.qwen38_plugin.qwen38_reference import load_reference, reference_greedy_one
+from tests.qwen38_plugin.test_qwen38_tp_engine import engine_result
 from tests.qwen38_plugin.test_qwen38_vllm_engine import mixed_prompts
 
 HERE = Path(__file__).resolve().parent
@@ -36,12 +37,7 @@ def run_engine(model: Path, num_spec: int, prompts: list[list[int]], **llm_kwarg
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     args = [str(model), "float32", str(STEPS), json.dumps(prompts), str(num_spec), json.dumps(llm_kwargs)]
     cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_verify.py"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = [line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
-    assert result, proc.stdout[-3000:] + proc.stderr[-6000:]
-    parsed: dict[str, Any] = json.loads(result[-1])
-    return parsed
+    return engine_result(subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False))
 
 
 @pytest.fixture(scope="module")
