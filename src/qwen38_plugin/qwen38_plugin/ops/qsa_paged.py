@@ -44,24 +44,20 @@ copy ceiling on the bytes it must move; one request in 0.047 ms.
 from __future__ import annotations
 
 import math
-import os
 from functools import cache
 from typing import Any, NamedTuple
 
 import torch
 
+from qwen38_plugin.ops import triton_dispatch
 from qwen38_plugin.ops.common import apply_partial_rope, rms_norm, rotary_cos_sin
+from qwen38_plugin.ops.triton_dispatch import HAVE_TRITON
 
-try:
+if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - exercised only without triton
-    HAVE_TRITON = False
-
 REFERENCE_ENV = "QWEN38_QSA_PAGED_REFERENCE"
-BACKENDS = ("auto", "torch", "triton")
 
 # Temporary memory bounds (bytes). Scores of `index_topk` are computed for this many bytes of
 # [query rows, max_groups] fp32 at a time; the torch references gather at most about this much.
@@ -72,15 +68,7 @@ REFERENCE_GATHER_BYTES = 64 << 20
 def use_triton(x: torch.Tensor, backend: str = "auto") -> bool:
     """Whether an op runs its Triton path: "auto" picks it for CUDA tensors unless
     ``QWEN38_QSA_PAGED_REFERENCE=1``; "torch" never; "triton" always (CPU needs TRITON_INTERPRET=1)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"qsa_paged backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "torch":
-        return False
-    if not HAVE_TRITON:
-        if backend == "triton":
-            raise RuntimeError("qsa_paged: backend='triton' needs the triton package")
-        return False
-    return backend == "triton" or (x.is_cuda and os.environ.get(REFERENCE_ENV, "0") != "1")
+    return triton_dispatch.use_triton(x.is_cuda, backend, reference_env=REFERENCE_ENV, op="qsa_paged")
 
 
 def _rows(n: int, bytes_per_row: int, budget: int) -> int:
