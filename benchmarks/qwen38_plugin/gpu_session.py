@@ -222,6 +222,7 @@ def main() -> None:
         tests = [
             "tests/qwen38_plugin/cuda",
             "tests/qwen38_plugin/test_qwen38_qsa_paged.py",
+            "tests/qwen38_plugin/test_qwen38_fused_ops.py",
             "tests/qwen38_plugin/test_qwen38_gdn_varlen.py",
             "tests/qwen38_plugin/test_qwen38_ple_varlen.py",
         ]

@@ -35,7 +35,9 @@ def test_aux_hidden_states_are_the_mean_over_the_streams_entering_each_layer(ser
         streams = hyper_connection.hc_expand(model.model.embed_tokens(ids), hc)
         entering = [streams]
         for layer in model.model.layers:
-            streams = layer(streams, positions, ids)
+            # a layer hands on its MoE output and injection weights unapplied (the next norm adds them)
+            streams, pending = layer(streams, None, positions, ids)
+            streams = hyper_connection.hc_inject(streams, *pending)
             entering.append(streams)
         asked = (num_layers, 0, 2)  # a DFlash drafter with target_layer_ids [-1, 1, num_layers - 1]
         model.set_aux_hidden_state_layers(asked)

@@ -215,6 +215,28 @@ class GatedResidual(nn.Module):
             hc_count=self.hc_count, eps=self.eps,
         )  # fmt: skip
 
+    # The same mixer in the served model's three steps (one kernel each on CUDA):
+    # ``mix_normed(norm(streams)[1])`` is ``mix(streams)``.
+    def norm(
+        self,
+        streams: torch.Tensor,
+        block_output: torch.Tensor | None = None,
+        injection: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(streams, normed streams), the streams first receiving ``block_output`` scaled by
+        ``injection`` when given (the previous block's `hc_inject`, fused)."""
+        return hyper_connection.hc_norm(
+            streams, self.hc_norm.weight, hc_count=self.hc_count, eps=self.eps, block_output=block_output,
+            injection=injection,
+        )  # fmt: skip
+
+    def mix_normed(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        inject = self.block_inject_weight.weight if self.block_inject_weight is not None else None
+        down, projected = hyper_connection.hc_project(normed, self.input_mix_weight_down.weight, inject)
+        return hyper_connection.hc_gate_mix(
+            normed, down, projected, self.input_mix_weight_up.weight, hc_count=self.hc_count
+        )
+
 
 class GatedDeltaNet(nn.Module):
     """One rank's GDN heads: its key heads, their value heads and everything per channel or per

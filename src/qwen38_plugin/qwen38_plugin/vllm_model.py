@@ -111,6 +111,14 @@ def check_vllm_config(vllm_config: VllmConfig, on_cuda: bool | None = None) -> N
     check_tensor_parallel(config, vllm_config.parallel_config.tensor_parallel_size, split_vocabulary=False)
 
 
+# A block's output and its injection weights ([T, H], [T, hc]) not yet added to the streams.
+Pending = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def apply_pending(streams: torch.Tensor, pending: Pending) -> torch.Tensor:
+    return streams if pending is None else hyper_connection.hc_inject(streams, *pending)
+
+
 class PortableDecoderLayer(nn.Module):
     def __init__(self, vllm_config: VllmConfig, index: int, rotary: RotaryTable, prefix: str) -> None:
         super().__init__()
@@ -130,16 +138,23 @@ class PortableDecoderLayer(nn.Module):
         self.attn_hyper_connection = GatedResidual(config)
         self.mlp_hyper_connection = GatedResidual(config)
 
-    def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, streams: torch.Tensor, pending: Pending, positions: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, Pending]:
+        """(streams, the MoE output and its injection weights, not yet added to the streams: the
+        next mixer's norm adds them as it reads the streams, one kernel instead of two)."""
         if self.ple is not None:
+            streams = apply_pending(streams, pending)  # PLE reads the whole residual state
             streams = self.ple(streams, input_ids)
-        x, inject = self.attn_hyper_connection.mix(streams)
+            pending = None
+        streams, normed = self.attn_hyper_connection.norm(streams, *(pending or (None, None)))
+        x, inject = self.attn_hyper_connection.mix_normed(normed)
         assert inject is not None
         attn = self.linear_attn(x) if self.layer_type == "linear_attention" else self.self_attn(positions, x)
-        streams = hyper_connection.hc_inject(streams, attn, inject)
-        x, inject = self.mlp_hyper_connection.mix(streams)
+        streams, normed = self.mlp_hyper_connection.norm(streams, attn, inject)
+        x, inject = self.mlp_hyper_connection.mix_normed(normed)
         assert inject is not None
-        return hyper_connection.hc_inject(streams, self.mlp(x), inject)
+        return streams, (self.mlp(x), inject)
 
 
 # positions: [T], or [3, T] under M-RoPE (the token count is the last dimension either way). vLLM
@@ -173,11 +188,17 @@ class PortableQwen4ExpModel(nn.Module, EagleModelMixin):
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         streams = hyper_connection.hc_expand(embeds, self.config.hc_count)
         aux: list[torch.Tensor] = []
+        pending: Pending = None
         for index, layer in enumerate(self.layers):
-            self._add_aux_hidden_state(aux, index, streams)
-            streams = layer(streams, positions, input_ids)
-        self._add_aux_hidden_state(aux, len(self.layers), streams)
-        hidden, _ = self.hyper_connection_mixer.mix(streams)
+            if index in self.aux_hidden_state_layers:
+                streams, pending = apply_pending(streams, pending), None
+                self._add_aux_hidden_state(aux, index, streams)
+            streams, pending = layer(streams, pending, positions, input_ids)
+        if len(self.layers) in self.aux_hidden_state_layers:
+            streams, pending = apply_pending(streams, pending), None
+            self._add_aux_hidden_state(aux, len(self.layers), streams)
+        _, normed = self.hyper_connection_mixer.norm(streams, *(pending or (None, None)))
+        hidden, _ = self.hyper_connection_mixer.mix_normed(normed)
         return (hidden, aux) if aux else hidden
 
     def _add_aux_hidden_state(self, aux: list[torch.Tensor], index: int, streams: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinea
 from qwen38_plugin import vllm_ops
 from qwen38_plugin.ops import qsa_paged
 from qwen38_plugin.ops.common import apply_partial_rope, rms_norm
+from qwen38_plugin.ops.norm_rope import rms_norm_rope
 from qwen38_plugin.vllm_qsa_cache import QSAKVCache, QSAMetadata
 
 # transformers' `Qwen4ExpTextRotaryEmbedding` falls back to this when rope_parameters has none.
@@ -186,8 +187,9 @@ class PortableQSAAttention(nn.Module):
         q_gate, k, v = qkv.split([2 * self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * d)).split(d, dim=-1)
         cos, sin = self.rotary.cos_sin(positions)
-        q = apply_partial_rope(self.q_norm(q), cos, sin)
-        k = apply_partial_rope(self.k_norm(k.unflatten(-1, (self.num_kv_heads, d))), cos, sin)
+        eps = self.config.rms_norm_eps
+        q = rms_norm_rope(q, self.q_norm.weight, cos, sin, eps)
+        k = rms_norm_rope(k.unflatten(-1, (self.num_kv_heads, d)), self.k_norm.weight, cos, sin, eps)
         v = v.unflatten(-1, (self.num_kv_heads, d))
         index_q: torch.Tensor | None = None
         raw_keys: torch.Tensor | None = None
@@ -297,5 +299,8 @@ class PortableQSAAttention(nn.Module):
         assert indexer is not None
         index_qk, _ = indexer.index_qk_proj(hidden_states)
         q, raw_keys = index_qk.split([indexer.num_heads * indexer.head_dim, indexer.head_dim], dim=-1)
-        q = apply_partial_rope(indexer.q_layernorm(q.unflatten(-1, (indexer.num_heads, indexer.head_dim))), cos, sin)
+        q = rms_norm_rope(
+            q.unflatten(-1, (indexer.num_heads, indexer.head_dim)), indexer.q_layernorm.weight, cos, sin,
+            self.config.rms_norm_eps,
+        )  # fmt: skip
         return q.float(), raw_keys.contiguous()

@@ -5,6 +5,19 @@ mixer reads it: grouped RMSNorm (per stream), a low-rank gate ``sigmoid(up(silu(
 per feature, and the mean over streams of ``gate * n`` is the block input ``[H]``. After the
 block, its output ``[H]`` is added to each stream s scaled by the injection weight
 ``2 * sigmoid(inject(n) / hc)[s]``. The final mixer (before lm_head) has no injection.
+
+`hc_mix` and `hc_inject` are the reference (the oracle, as transformers computes them). A served
+model runs a mixer as three steps, each one kernel on CUDA (Triton) and the same torch code as
+the reference elsewhere, behind one dispatcher per step:
+
+1. `hc_norm`: the grouped RMSNorm, optionally after adding the previous block's output
+   (`hc_inject` fused in: the streams are read and written once);
+2. `hc_project`: ``down(n)`` and ``inject(n)``, the two small projections of the normed streams;
+3. `hc_gate_mix`: ``up``, the sigmoid gate, the mean over streams and the injection weights.
+
+On CUDA the torch reference launches about twenty kernels a mixer (each 1-5 us at decode);
+the three kernels round at the same points as the reference (every intermediate in the model
+dtype), so they differ from it only by summation order inside the reductions.
 """
 
 from __future__ import annotations
@@ -12,7 +25,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qwen38_plugin.ops import triton_dispatch
 from qwen38_plugin.ops.common import rms_norm
+from qwen38_plugin.ops.triton_dispatch import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+REFERENCE_ENV = "QWEN38_HC_REFERENCE"
 
 
 def hc_mix(
@@ -33,11 +54,20 @@ def hc_mix(
     """
     hidden = streams.shape[-1] // hc_count
     normed = rms_norm(streams, norm_weight, eps, group_size=hidden)
-    gate = torch.sigmoid(F.linear(F.silu(F.linear(normed, down_weight) / hc_count), up_weight))
+    down = F.linear(normed, down_weight)
+    projected = F.linear(normed, inject_weight) if inject_weight is not None else None
+    return _gate_mix_torch(normed, down, projected, up_weight, hc_count)
+
+
+def _gate_mix_torch(
+    normed: torch.Tensor, down: torch.Tensor, projected: torch.Tensor | None, up_weight: torch.Tensor, hc_count: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden = normed.shape[-1] // hc_count
+    gate = torch.sigmoid(F.linear(F.silu(down / hc_count), up_weight))
     mixed = (gate.unflatten(-1, (hc_count, hidden)) * normed.unflatten(-1, (hc_count, hidden))).mean(dim=-2)
-    if inject_weight is None:
+    if projected is None:
         return mixed, None
-    return mixed, 2 * torch.sigmoid(F.linear(normed, inject_weight) / hc_count)
+    return mixed, 2 * torch.sigmoid(projected / hc_count)
 
 
 def hc_inject(streams: torch.Tensor, block_output: torch.Tensor, injection: torch.Tensor) -> torch.Tensor:
@@ -55,3 +85,318 @@ def hc_mean(streams: torch.Tensor, hc_count: int) -> torch.Tensor:
     DFlash drafter for a hyper-connection model reads (``target_feature_reduction = "hc_mean"``)."""
     *lead, width = streams.shape
     return streams.view(*lead, hc_count, width // hc_count).mean(dim=-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mixer in three steps (what a served model runs): references, kernels, dispatchers
+# ---------------------------------------------------------------------------------------------
+
+
+def use_triton(x: torch.Tensor, backend: str = "auto") -> bool:
+    """Triton for CUDA tensors unless ``QWEN38_HC_REFERENCE=1`` (see `triton_dispatch`)."""
+    return triton_dispatch.use_triton(x.is_cuda, backend, reference_env=REFERENCE_ENV, op="hyper_connection")
+
+
+def hc_norm_torch(
+    streams: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    hc_count: int,
+    eps: float,
+    block_output: torch.Tensor | None = None,
+    injection: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if block_output is not None:
+        assert injection is not None
+        streams = hc_inject(streams, block_output, injection)
+    return streams, rms_norm(streams, norm_weight, eps, group_size=streams.shape[-1] // hc_count)
+
+
+def hc_norm(
+    streams: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    hc_count: int,
+    eps: float,
+    block_output: torch.Tensor | None = None,
+    injection: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(streams, normed streams) ``[T, hc * H]`` each: with ``block_output [T, H]`` and
+    ``injection [T, hc]``, the streams first receive the block's output (`hc_inject`)."""
+    if (block_output is None) != (injection is None):
+        raise ValueError("hc_norm: block_output and injection come together")
+    if not use_triton(streams, backend):
+        return hc_norm_torch(
+            streams, norm_weight, hc_count=hc_count, eps=eps, block_output=block_output, injection=injection
+        )
+    tokens, width = streams.shape
+    hidden = width // hc_count
+    normed = torch.empty_like(streams)
+    out = streams if block_output is None else torch.empty_like(streams)
+    if tokens:
+        block = block_output if block_output is not None else streams  # unread without an injection
+        scales = injection if injection is not None else streams
+        _hc_norm_kernel[(tokens, hc_count)](
+            streams, block, scales, norm_weight, out, normed, streams.stride(0), block.stride(0), scales.stride(0),
+            hidden, eps, INJECT=block_output is not None, HC=hc_count, BLOCK_H=triton.next_power_of_2(hidden),
+        )  # fmt: skip
+    return out, normed
+
+
+def hc_project_torch(
+    normed: torch.Tensor, down_weight: torch.Tensor, inject_weight: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    down = F.linear(normed, down_weight)
+    return down, (F.linear(normed, inject_weight) if inject_weight is not None else None)
+
+
+def hc_project(
+    normed: torch.Tensor, down_weight: torch.Tensor, inject_weight: torch.Tensor | None, *, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(``down(n) [T, R]``, ``inject(n) [T, hc]`` or None): both projections in one kernel."""
+    if not use_triton(normed, backend):
+        return hc_project_torch(normed, down_weight, inject_weight)
+    tokens, width = normed.shape
+    rank = down_weight.shape[0]
+    hc = inject_weight.shape[0] if inject_weight is not None else 0
+    down = normed.new_empty(tokens, rank)
+    projected = normed.new_empty(tokens, hc) if inject_weight is not None else None
+    if tokens:
+        block_t = 16 if tokens <= 16 else 32
+        block_n = 16
+        down_blocks = triton.cdiv(rank, block_n)
+        grid = (triton.cdiv(tokens, block_t), down_blocks + triton.cdiv(hc, block_n))
+        _hc_project_kernel[grid](
+            normed, down_weight, inject_weight if inject_weight is not None else down_weight, down,
+            projected if projected is not None else down, tokens, width, rank, hc, down_blocks,
+            normed.stride(0), down_weight.stride(0),
+            inject_weight.stride(0) if inject_weight is not None else 0,
+            down.stride(0), projected.stride(0) if projected is not None else 0,
+            BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=128,
+        )  # fmt: skip
+    return down, projected
+
+
+def hc_gate_mix_torch(
+    normed: torch.Tensor, down: torch.Tensor, projected: torch.Tensor | None, up_weight: torch.Tensor, hc_count: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _gate_mix_torch(normed, down, projected, up_weight, hc_count)
+
+
+def hc_gate_mix(
+    normed: torch.Tensor,
+    down: torch.Tensor,
+    projected: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    *,
+    hc_count: int,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(block input ``[T, H]``, injection weights ``[T, hc]`` or None) from the normed streams
+    and the two projections of `hc_project`."""
+    if not use_triton(normed, backend):
+        return hc_gate_mix_torch(normed, down, projected, up_weight, hc_count)
+    tokens, width = normed.shape
+    hidden, rank = width // hc_count, down.shape[1]
+    mixed = normed.new_empty(tokens, hidden)
+    injection = normed.new_empty(tokens, hc_count) if projected is not None else None
+    if tokens:
+        block_t = 16 if tokens <= 16 else 32
+        block_h = 64
+        _hc_gate_mix_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_h))](
+            normed, down, projected if projected is not None else down, up_weight, mixed,
+            injection if injection is not None else mixed, tokens, hidden, rank,
+            normed.stride(0), down.stride(0), projected.stride(0) if projected is not None else 0,
+            up_weight.stride(0), mixed.stride(0), injection.stride(0) if injection is not None else 0,
+            INJECT=projected is not None, HC=hc_count, BLOCK_T=block_t, BLOCK_H=block_h,
+            BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_HC=max(2, triton.next_power_of_2(hc_count)),
+        )  # fmt: skip
+    return mixed, injection
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _hc_norm_kernel(  # type: ignore[no-untyped-def]
+        streams_ptr,
+        block_ptr,
+        injection_ptr,
+        weight_ptr,
+        out_ptr,
+        normed_ptr,
+        stride_streams,
+        stride_block,
+        stride_injection,
+        hidden,
+        eps,
+        INJECT: tl.constexpr,
+        HC: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        # One program per (token, stream): H contiguous features. Every product and sum is
+        # rounded to the model dtype where the reference rounds it.
+        token = tl.program_id(0)
+        stream = tl.program_id(1)
+        cols = tl.arange(0, BLOCK_H)
+        ok = cols < hidden
+        offset = token * stride_streams + stream * hidden + cols
+        x = tl.load(streams_ptr + offset, mask=ok, other=0.0)
+        dtype = x.dtype
+        if INJECT:
+            block = tl.load(block_ptr + token * stride_block + cols, mask=ok, other=0.0)
+            scale = tl.load(injection_ptr + token * stride_injection + stream)
+            x = (x.to(tl.float32) + (block.to(tl.float32) * scale.to(tl.float32)).to(dtype).to(tl.float32)).to(dtype)
+            tl.store(out_ptr + offset, x, mask=ok)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+        weight = tl.load(weight_ptr + stream * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(normed_ptr + offset, ((xf * rstd) * (1.0 + weight)).to(dtype), mask=ok)
+
+    @triton.jit
+    def _project_tile(  # type: ignore[no-untyped-def]
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        t0,
+        n0,
+        tokens,
+        width,
+        outputs,
+        stride_x,
+        stride_w,
+        stride_out,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            k_ok = (k0 + ks) < width
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_x + (k0 + ks)[None, :],
+                mask=(rows[:, None] < tokens) & k_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + cols[:, None] * stride_w + (k0 + ks)[None, :],
+                mask=(cols[:, None] < outputs) & k_ok[None, :],
+                other=0.0,
+            )
+            acc += tl.dot(x, tl.trans(w))
+        tl.store(
+            out_ptr + rows[:, None] * stride_out + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=(rows[:, None] < tokens) & (cols[None, :] < outputs),
+        )
+
+    @triton.jit
+    def _hc_project_kernel(  # type: ignore[no-untyped-def]
+        normed_ptr,
+        down_w_ptr,
+        inject_w_ptr,
+        down_ptr,
+        projected_ptr,
+        tokens,
+        width,
+        rank,
+        hc,
+        down_blocks,
+        stride_normed,
+        stride_down_w,
+        stride_inject_w,
+        stride_down,
+        stride_projected,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # Columns [0, down_blocks * BLOCK_N) are down's outputs, the rest inject's.
+        t0 = tl.program_id(0) * BLOCK_T
+        block = tl.program_id(1)
+        if block < down_blocks:
+            _project_tile(
+                normed_ptr, down_w_ptr, down_ptr, t0, block * BLOCK_N, tokens, width, rank,
+                stride_normed, stride_down_w, stride_down, BLOCK_T, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        else:
+            _project_tile(
+                normed_ptr, inject_w_ptr, projected_ptr, t0, (block - down_blocks) * BLOCK_N, tokens, width, hc,
+                stride_normed, stride_inject_w, stride_projected, BLOCK_T, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+
+    @triton.jit
+    def _hc_gate_mix_kernel(  # type: ignore[no-untyped-def]
+        normed_ptr,
+        down_ptr,
+        projected_ptr,
+        up_w_ptr,
+        mixed_ptr,
+        injection_ptr,
+        tokens,
+        hidden,
+        rank,
+        stride_normed,
+        stride_down,
+        stride_projected,
+        stride_up_w,
+        stride_mixed,
+        stride_injection,
+        INJECT: tl.constexpr,
+        HC: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_HC: tl.constexpr,
+    ):
+        # One program per (token block, feature block): the gate of each stream for these
+        # features (up-projection of the silu'd low-rank code), times the normed stream,
+        # averaged over the streams. The first feature block also writes the injection weights.
+        t0 = tl.program_id(0) * BLOCK_T
+        h0 = tl.program_id(1) * BLOCK_H
+        rows = t0 + tl.arange(0, BLOCK_T)
+        row_ok = rows < tokens
+        rs = tl.arange(0, BLOCK_R)
+        code = tl.load(
+            down_ptr + rows[:, None] * stride_down + rs[None, :],
+            mask=row_ok[:, None] & (rs[None, :] < rank),
+            other=0.0,
+        )
+        dtype = code.dtype
+        code = (code.to(tl.float32) / HC).to(dtype).to(tl.float32)
+        code = (code / (1.0 + tl.exp(-code))).to(dtype)  # silu, rounded as torch rounds it
+        hs = h0 + tl.arange(0, BLOCK_H)
+        h_ok = hs < hidden
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for stream in tl.static_range(HC):
+            up = tl.load(
+                up_w_ptr + (stream * hidden + hs)[:, None] * stride_up_w + rs[None, :],
+                mask=h_ok[:, None] & (rs[None, :] < rank),
+                other=0.0,
+            )
+            logit = tl.dot(code, tl.trans(up)).to(dtype).to(tl.float32)
+            gate = (1.0 / (1.0 + tl.exp(-logit))).to(dtype).to(tl.float32)
+            normed = tl.load(
+                normed_ptr + rows[:, None] * stride_normed + (stream * hidden + hs)[None, :],
+                mask=row_ok[:, None] & h_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += (gate * normed).to(dtype).to(tl.float32)
+        tl.store(
+            mixed_ptr + rows[:, None] * stride_mixed + hs[None, :],
+            (acc * (1.0 / HC)).to(dtype),
+            mask=row_ok[:, None] & h_ok[None, :],
+        )
+        if INJECT:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if tl.program_id(1) == 0:
+                ss = tl.arange(0, BLOCK_HC)
+                ok = row_ok[:, None] & (ss[None, :] < HC)
+                p = tl.load(projected_ptr + rows[:, None] * stride_projected + ss[None, :], mask=ok, other=0.0)
+                p = (p.to(tl.float32) / HC).to(dtype).to(tl.float32)
+                weight = (1.0 / (1.0 + tl.exp(-p))).to(dtype).to(tl.float32)
+                tl.store(
+                    injection_ptr + rows[:, None] * stride_injection + ss[None, :], (2.0 * weight).to(dtype), mask=ok
+                )

@@ -1,0 +1,206 @@
+"""The hyper-connection mixer's and the norm + rope op's Triton kernels against their torch
+references, and their code generation for sm_70 and sm_90.
+
+Runs under ``TRITON_INTERPRET=1`` on CPU (test_qwen38_fused_ops.py starts it in a subprocess: the
+interpreter is chosen when a kernel is decorated) and natively on CUDA. Outputs are compared
+with the reference at each step's own inputs (the reference's), so one step's error does not
+carry into the next. Prints one ``PASS name ...`` / ``FAIL name ...`` line per check; exits
+non-zero on a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qwen38_plugin.ops import hyper_connection as hc
+from qwen38_plugin.ops import norm_rope
+from qwen38_plugin.ops.common import rotary_cos_sin
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" else "cpu"
+NATIVE = DEVICE == "cuda"
+GEN = torch.Generator().manual_seed(4321)
+# The interpreter's bf16 rounding truncates (see qsa_paged_triton_check.py): bf16 runs natively only.
+DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if NATIVE else [])]
+# Largest error relative to the reference's largest magnitude. The kernels round where the
+# reference rounds; what remains is summation order (fp32), and on CUDA cuBLAS's own order in the
+# reference's projections, which moves a value by at most a unit or two of the model dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def randn(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=GEN) * scale).to(dtype).to(DEVICE)
+
+
+def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.float(), expected.float()
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert torch.isfinite(actual).all(), "non-finite output"
+    if not expected.numel():
+        return 0.0
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+
+
+# (tokens, hidden, hc, rank): decode (1), a small batch, a prefill chunk; hidden and rank not
+# powers of two; the final mixer (no injection) in every shape.
+MIXER_SHAPES = [(1, 64, 4, 16), (5, 96, 4, 24), (37, 40, 3, 8), (0, 64, 4, 16)]
+if NATIVE:
+    MIXER_SHAPES += [(1, 1024, 4, 64), (64, 1024, 4, 64), (300, 2048, 4, 64)]
+
+
+def _mixer_inputs(tokens: int, hidden: int, hc_count: int, rank: int, dtype: torch.dtype) -> dict[str, Any]:
+    width = hidden * hc_count
+    return {
+        "streams": randn(tokens, width, dtype=dtype),
+        "norm_weight": randn(width, scale=0.1, dtype=dtype),
+        "down": randn(rank, width, scale=width**-0.5, dtype=dtype),
+        "up": randn(width, rank, scale=rank**-0.5 * 3, dtype=dtype),
+        "inject": randn(hc_count, width, scale=width**-0.5, dtype=dtype),
+        "block": randn(tokens, hidden, dtype=dtype),
+        "injection": (torch.rand(tokens, hc_count, generator=GEN) * 2).to(dtype).to(DEVICE),
+    }
+
+
+def check_hc_norm() -> str:
+    worst = 0.0
+    cases = 0
+    for tokens, hidden, hc_count, rank in MIXER_SHAPES:
+        for dtype in DTYPES:
+            x = _mixer_inputs(tokens, hidden, hc_count, rank, dtype)
+            for fused in (False, True):
+                extra = {"block_output": x["block"], "injection": x["injection"]} if fused else {}
+                kw = {"hc_count": hc_count, "eps": 1e-6, **extra}
+                ref_streams, ref_normed = hc.hc_norm(x["streams"], x["norm_weight"], backend="torch", **kw)
+                streams, normed = hc.hc_norm(x["streams"], x["norm_weight"], backend="triton", **kw)
+                # the injection is elementwise, rounded as torch rounds: equal bit for bit
+                assert torch.equal(streams, ref_streams), "streams after the injection differ"
+                assert fused or streams is x["streams"], "without an injection the streams are passed through"
+                err = rel(normed, ref_normed)
+                assert err <= TOLERANCE[dtype], f"{tokens, hidden, hc_count, dtype, fused}: rel err {err:.2e}"
+                worst, cases = max(worst, err), cases + 1
+    return f"{cases} cases, worst rel err {worst:.2e}"
+
+
+def check_hc_project() -> str:
+    worst = 0.0
+    cases = 0
+    for tokens, hidden, hc_count, rank in MIXER_SHAPES:
+        for dtype in DTYPES:
+            x = _mixer_inputs(tokens, hidden, hc_count, rank, dtype)
+            normed = x["streams"]
+            for inject in (x["inject"], None):
+                ref_down, ref_projected = hc.hc_project(normed, x["down"], inject, backend="torch")
+                down, projected = hc.hc_project(normed, x["down"], inject, backend="triton")
+                errs = [rel(down, ref_down)]
+                if inject is None:
+                    assert projected is None and ref_projected is None
+                else:
+                    assert projected is not None and ref_projected is not None
+                    errs.append(rel(projected, ref_projected))
+                assert max(errs) <= TOLERANCE[dtype], f"{tokens, hidden, hc_count, rank, dtype}: rel err {errs}"
+                worst, cases = max(worst, *errs), cases + 1
+    return f"{cases} cases, worst rel err {worst:.2e}"
+
+
+def check_hc_gate_mix() -> str:
+    worst = 0.0
+    cases = 0
+    for tokens, hidden, hc_count, rank in MIXER_SHAPES:
+        for dtype in DTYPES:
+            x = _mixer_inputs(tokens, hidden, hc_count, rank, dtype)
+            normed = x["streams"]
+            for inject in (x["inject"], None):
+                down, projected = hc.hc_project(normed, x["down"], inject, backend="torch")
+                ref = hc.hc_gate_mix(normed, down, projected, x["up"], hc_count=hc_count, backend="torch")
+                got = hc.hc_gate_mix(normed, down, projected, x["up"], hc_count=hc_count, backend="triton")
+                errs = [rel(got[0], ref[0])]
+                if inject is None:
+                    assert got[1] is None
+                else:
+                    assert got[1] is not None and ref[1] is not None
+                    errs.append(rel(got[1], ref[1]))
+                assert max(errs) <= TOLERANCE[dtype], f"{tokens, hidden, hc_count, rank, dtype}: rel err {errs}"
+                worst, cases = max(worst, *errs), cases + 1
+    return f"{cases} cases, worst rel err {worst:.2e}"
+
+
+def check_mixer_end_to_end() -> str:
+    """The three kernels in a row against the reference `hc_mix` of `hc_inject`'s streams."""
+    worst = 0.0
+    for tokens, hidden, hc_count, rank in MIXER_SHAPES:
+        for dtype in DTYPES:
+            x = _mixer_inputs(tokens, hidden, hc_count, rank, dtype)
+            streams = hc.hc_inject(x["streams"], x["block"], x["injection"])
+            ref = hc.hc_mix(streams, x["norm_weight"], x["down"], x["up"], x["inject"], hc_count=hc_count, eps=1e-6)
+            _, normed = hc.hc_norm(
+                x["streams"], x["norm_weight"], hc_count=hc_count, eps=1e-6, block_output=x["block"],
+                injection=x["injection"], backend="triton",
+            )  # fmt: skip
+            down, projected = hc.hc_project(normed, x["down"], x["inject"], backend="triton")
+            got = hc.hc_gate_mix(normed, down, projected, x["up"], hc_count=hc_count, backend="triton")
+            assert ref[1] is not None and got[1] is not None
+            # rounding differences of the normed streams pass through two projections: twice the step tolerance
+            err = max(rel(got[0], ref[0]), rel(got[1], ref[1]))
+            assert err <= 2 * TOLERANCE[dtype], f"{tokens, hidden, hc_count, rank, dtype}: rel err {err:.2e}"
+            worst = max(worst, err)
+    return f"worst rel err {worst:.2e}"
+
+
+def check_rms_norm_rope() -> str:
+    worst = 0.0
+    cases = 0
+    shapes = [(3, 2, 16, 8), (5, 3, 32, 32), (4, 1, 24, 12), (0, 2, 16, 8)]
+    if NATIVE:
+        shapes += [(1, 24, 256, 64), (200, 16, 128, 64)]
+    for tokens, heads, dim, rotary_dim in shapes:
+        for dtype in DTYPES:
+            wide = randn(tokens, heads, 2 * dim, dtype=dtype)
+            x = wide[..., dim:]  # a strided view, as the queries are of the fused projection
+            weight = randn(dim, scale=0.1, dtype=dtype)
+            positions = torch.randint(0, 4000, (tokens,), generator=GEN).to(DEVICE)
+            cos, sin = rotary_cos_sin(positions, rotary_dim, 1e6, dtype)
+            ref = norm_rope.rms_norm_rope(x, weight, cos, sin, 1e-6, backend="torch")
+            got = norm_rope.rms_norm_rope(x, weight, cos, sin, 1e-6, backend="triton")
+            assert got.is_contiguous() and got.dtype == dtype
+            err = rel(got, ref)
+            assert err <= TOLERANCE[dtype], f"{tokens, heads, dim, rotary_dim, dtype}: rel err {err:.2e}"
+            worst, cases = max(worst, err), cases + 1
+    return f"{cases} cases, worst rel err {worst:.2e}"
+
+
+def check_imports_without_vllm() -> str:
+    assert "vllm" not in sys.modules, "importing the ops imported vllm"
+    return "no vllm in sys.modules"
+
+
+CHECKS: dict[str, Callable[[], str]] = {
+    "hc_norm": check_hc_norm,
+    "hc_project": check_hc_project,
+    "hc_gate_mix": check_hc_gate_mix,
+    "hc_mixer_end_to_end": check_mixer_end_to_end,
+    "rms_norm_rope": check_rms_norm_rope,
+    "imports_without_vllm": check_imports_without_vllm,
+}
+
+
+def main() -> int:
+    failed = 0
+    for name, check in CHECKS.items():
+        started = time.perf_counter()
+        try:
+            print(f"PASS {name} {check()} ({time.perf_counter() - started:.1f} s)", flush=True)
+        except Exception as error:  # report every check, then fail
+            failed += 1
+            print(f"FAIL {name} {error!r}\n{traceback.format_exc()}", flush=True)
+    print(f"device={DEVICE} checks={len(CHECKS)} failed={failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The served model's fused ops: the hyper-connection mixer in three steps (`hyper_connection.hc_norm`,
+`hc_project`, `hc_gate_mix`) and per-head RMSNorm + partial RoPE (`norm_rope.rms_norm_rope`).
+
+- their torch paths (CPU) compose to exactly the reference mixer and injection;
+- the Triton kernels match the torch paths (fused_ops_triton_check.py, in a subprocess: under
+  ``TRITON_INTERPRET=1`` on CPU, natively on CUDA);
+- the kernels compile for sm_70 (V100: FMA, no tensor-core code) and sm_90;
+- on CUDA, a mixer captured in a CUDA graph replays the eager result bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from qwen38_plugin.ops import hyper_connection as hc
+from qwen38_plugin.ops import norm_rope
+from tests.qwen38_plugin.qsa_paged_compile_check import _signature
+
+HERE = Path(__file__).resolve().parent
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_three_steps_with_a_pending_injection_equal_the_reference_mixer(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden, hc_count, rank = 6, 48, 4, 16
+    width = hidden * hc_count
+    streams = torch.randn(tokens, width, generator=gen).to(dtype)
+    norm_weight = (torch.randn(width, generator=gen) * 0.1).to(dtype)
+    down = (torch.randn(rank, width, generator=gen) * 0.1).to(dtype)
+    up = (torch.randn(width, rank, generator=gen) * 0.3).to(dtype)
+    inject = (torch.randn(hc_count, width, generator=gen) * 0.1).to(dtype)
+    block = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    injection = torch.rand(tokens, hc_count, generator=gen).to(dtype)
+    expected_streams = hc.hc_inject(streams, block, injection)
+    for weight in (inject, None):
+        expected = hc.hc_mix(expected_streams, norm_weight, down, up, weight, hc_count=hc_count, eps=1e-6)
+        got_streams, normed = hc.hc_norm(
+            streams, norm_weight, hc_count=hc_count, eps=1e-6, block_output=block, injection=injection
+        )
+        d, projected = hc.hc_project(normed, down, weight)
+        mixed, weights = hc.hc_gate_mix(normed, d, projected, up, hc_count=hc_count)
+        assert torch.equal(got_streams, expected_streams)
+        assert torch.equal(mixed, expected[0])
+        assert (weights is None and expected[1] is None) or torch.equal(weights, expected[1])  # type: ignore[arg-type]
+
+
+def test_bad_arguments_are_refused() -> None:
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="block_output and injection come together"):
+        hc.hc_norm(x, torch.zeros(8), hc_count=2, eps=1e-6, block_output=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        hc.hc_project(x, torch.zeros(4, 8), None, backend="cuda")
+
+
+def test_dispatch_picks_triton_for_cuda_only_and_obeys_the_reference_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.zeros(2, 8)
+    assert not hc.use_triton(x) and hc.use_triton(x, "triton") and not hc.use_triton(x, "torch")
+    if HAS_CUDA and hc.HAVE_TRITON:
+        y = x.cuda()
+        assert hc.use_triton(y)
+        monkeypatch.setenv(hc.REFERENCE_ENV, "1")
+        assert not hc.use_triton(y)
+    # the norm + rope op's own switch: on CPU the reference is the composition, bit for bit
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 2, 16, generator=gen)
+    weight, cos, sin = (
+        torch.randn(16, generator=gen),
+        torch.randn(3, 8, generator=gen),
+        torch.randn(3, 8, generator=gen),
+    )
+    assert torch.equal(
+        norm_rope.rms_norm_rope(q, weight, cos, sin, 1e-6), norm_rope.rms_norm_rope_torch(q, weight, cos, sin, 1e-6)
+    )
+
+
+@pytest.fixture(scope="module")
+def kernel_report() -> dict[str, str]:
+    env = {**os.environ, **({} if HAS_CUDA else {"TRITON_INTERPRET": "1"})}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "fused_ops_triton_check.py")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    report = {m.group(2): m.group(0) for m in re.finditer(r"^(PASS|FAIL) (\S+).*$", log, re.MULTILINE)}
+    report["__log__"] = log
+    return report
+
+
+@pytest.mark.parametrize(
+    "check", ["hc_norm", "hc_project", "hc_gate_mix", "hc_mixer_end_to_end", "rms_norm_rope", "imports_without_vllm"]
+)
+def test_triton_kernels_match_torch(kernel_report: dict[str, str], check: str) -> None:
+    line = kernel_report.get(check)
+    assert line is not None, f"check {check} did not report:\n{kernel_report['__log__'][-4000:]}"
+    assert line.startswith("PASS"), line
+
+
+def _cases(dtype: str) -> dict[str, tuple[Any, dict[str, str], tuple[str, ...], dict[str, Any]]]:
+    """name: (kernel, pointer types, float args, constexprs) at Flash-Next's sizes (hidden 2048 ->
+    hc 4 streams of 2048, rank 64; 24 query heads of 256 with 64 rotary features)."""
+    p = f"*{dtype}"
+    return {
+        "hc_norm": (hc._hc_norm_kernel, dict.fromkeys(["streams_ptr", "block_ptr", "injection_ptr", "weight_ptr",
+                                                         "out_ptr", "normed_ptr"], p), ("eps",),
+                    {"INJECT": True, "HC": 4, "BLOCK_H": 2048}),
+        "hc_project": (hc._hc_project_kernel, dict.fromkeys(["normed_ptr", "down_w_ptr", "inject_w_ptr", "down_ptr",
+                                                               "projected_ptr"], p), (),
+                       {"BLOCK_T": 16, "BLOCK_N": 16, "BLOCK_K": 128}),
+        "hc_gate_mix": (hc._hc_gate_mix_kernel, dict.fromkeys(["normed_ptr", "down_ptr", "projected_ptr", "up_w_ptr",
+                                                                 "mixed_ptr", "injection_ptr"], p), (),
+                        {"INJECT": True, "HC": 4, "BLOCK_T": 16, "BLOCK_H": 64, "BLOCK_R": 64, "BLOCK_HC": 4}),
+        "rms_norm_rope": (norm_rope._rms_norm_rope_kernel, dict.fromkeys(["x_ptr", "weight_ptr", "cos_ptr", "sin_ptr",
+                                                                          "out_ptr"], p), ("eps",),
+                          {"BLOCK_D": 256}),
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(not hc.HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize(("capability", "dtype"), [(70, "fp16"), (90, "bf16")])
+def test_kernels_compile_for_sm70_and_sm90(capability: int, dtype: str) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for name, (kernel, pointers, floats, constexprs) in _cases(dtype).items():
+        source = ASTSource(fn=kernel, signature=_signature(kernel, pointers, floats, constexprs), constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+        ptx = compiled.asm["ptx"]
+        assert f".target sm_{capability}" in ptx and compiled.asm.get("cubin"), name
+        if capability == 70:
+            assert "mma" not in ptx, f"{name}: tensor-core code for sm_70"  # Triton emits FMA below sm_80
+        elif name in ("hc_project", "hc_gate_mix"):
+            assert "mma" in ptx, f"{name}: no tensor-core code on sm_90"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (CUDA graphs); none here")
+def test_mixer_replayed_from_a_cuda_graph_equals_eager() -> None:
+    gen = torch.Generator().manual_seed(5)
+    tokens, hidden, hc_count, rank = 8, 1024, 4, 64
+    width = hidden * hc_count
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).half().cuda()
+
+    streams, block = rand(tokens, width), rand(tokens, hidden)
+    injection = torch.rand(tokens, hc_count, generator=gen).half().cuda()
+    weights = (
+        rand(width, scale=0.1),
+        rand(rank, width, scale=0.02),
+        rand(width, rank, scale=0.3),
+        rand(hc_count, width),
+    )
+
+    def mixer() -> tuple[torch.Tensor, ...]:
+        out, normed = hc.hc_norm(
+            streams, weights[0], hc_count=hc_count, eps=1e-6, block_output=block, injection=injection
+        )
+        d, projected = hc.hc_project(normed, weights[1], weights[3])
+        mixed, inj = hc.hc_gate_mix(normed, d, projected, weights[2], hc_count=hc_count)
+        assert inj is not None
+        return out, mixed, inj
+
+    eager = mixer()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mixer()
+    for t in captured:
+        t.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager, strict=True):
+        assert torch.equal(a, b)
