@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from qwen38_plugin.ops import qsa_paged
+from qwen38_plugin.ops import qsa_paged, qsa_step_metadata
 
 # Under the interpreter the kernels run on CPU tensors; natively, on CUDA. The interpreter rounds
 # fp32 to bf16 by truncation (CUDA and torch round to nearest even) and its bf16 tl.dot is wrong, so
@@ -287,6 +287,47 @@ def check_attention(splits: list[int], which: list[int] | None = None) -> str:
     return f"{cases} cases, worst rel err fp32 {worst[torch.float32]:.2e}, fp16 {worst[torch.float16]:.2e}"
 
 
+def check_step_metadata() -> str:
+    """A QSA group's per-step metadata: the one-launch kernel against the builder's torch ops,
+    every buffer compared whole (rows past the step included), for each cache kind."""
+    kinds = qsa_step_metadata.CacheKind
+    cases = 0
+    for query_lens, extra_tokens, ratio, block_size in [
+        ([1], 0, 4, 16),
+        ([1, 1, 1, 1, 1], 3, 4, 16),  # a padded decode batch (CUDA-graph padding tokens)
+        ([7, 1, 12, 0, 3], 2, 8, 32),  # a mixed step, a request with no token this step
+        ([40, 1], 0, 4, 8),
+    ]:
+        num_reqs = len(query_lens)
+        lens = torch.tensor(query_lens)
+        qsl = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
+        num_tokens = int(lens.sum()) + extra_tokens
+        seq_lens = (lens + torch.randint(0, 90, (num_reqs,), generator=GEN)).to(torch.int32)
+        table = torch.randint(1, 500, (num_reqs, 16), generator=GEN, dtype=torch.int32)
+        slot_mapping = torch.randint(-1, 9000, (num_tokens,), generator=GEN)
+        rows = num_tokens + 5
+        for kind in kinds:
+            capacity = 2 * ratio if kind is kinds.KEY_RING else block_size
+            results = []
+            for backend in ("torch", "triton"):
+                buffers = {
+                    "token_req": torch.full((rows,), 77, dtype=torch.int32),
+                    "step_start": torch.full((num_reqs + 2,), 77, dtype=torch.int32),
+                    "positions": torch.full((rows,), 77, dtype=torch.int64),
+                    "slots": torch.full((rows,), 77, dtype=torch.int64),
+                }
+                buffers = {k: v.to(DEVICE) for k, v in buffers.items()}
+                qsa_step_metadata.step_metadata(
+                    kind, qsl.to(DEVICE), seq_lens.to(DEVICE), table.to(DEVICE), slot_mapping.to(DEVICE),
+                    num_tokens, block_size=capacity, ratio=ratio, max_reqs=64, backend=backend, **buffers,
+                )  # fmt: skip
+                results.append(buffers)
+            for name in results[0]:
+                assert torch.equal(results[0][name], results[1][name]), f"{kind.name} {query_lens}: {name} differs"
+            cases += 1
+    return f"{cases} cases equal"
+
+
 def check_imports_without_vllm() -> str:
     # this process imported torch, triton and qsa_paged only
     assert "vllm" not in sys.modules, "importing qwen38_plugin.ops.qsa_paged imported vllm"
@@ -302,6 +343,7 @@ CHECKS: dict[str, Callable[[], str]] = {
     "index_topk": check_index_topk,
     "sparse_attention": lambda: check_attention([1]),
     "merge_splits": lambda: check_attention([3], which=[0, 1, 4, 5]),
+    "step_metadata": check_step_metadata,
     "imports_without_vllm": check_imports_without_vllm,
 }
 

@@ -32,7 +32,6 @@ This module imports vLLM; it is loaded only when vLLM builds the model.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from dataclasses import dataclass
@@ -50,7 +49,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec, KVCacheSpec, MLAAttentionSpec
 
-from qwen38_plugin.ops import ple_varlen, qsa, qsa_paged
+from qwen38_plugin.ops import qsa, qsa_step_metadata
+from qwen38_plugin.ops.qsa_step_metadata import CacheKind
 
 # A child of the "vllm" logger, so vLLM's own logging configuration prints it.
 logger = logging.getLogger("vllm.plugins.qwen38_plugin")
@@ -114,14 +114,6 @@ def resolve_ring_capacity(vllm_config: VllmConfig, ratio: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-class CacheKind(enum.Enum):
-    """Which of a QSA layer's three caches a KV-cache group holds (each has its own block table)."""
-
-    KV = "kv"
-    BLOCK_KEYS = "block_keys"
-    KEY_RING = "key_ring"
-
-
 @dataclass
 class QSAMetadata:
     """One QSA cache group's view of a step. Device tensors in persistent buffers (the same
@@ -161,8 +153,7 @@ class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
         scheduler = vllm_config.scheduler_config
         spec_tokens = vllm_config.num_speculative_tokens
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs * (1 + spec_tokens))
-        max_reqs = scheduler.max_num_seqs
-        self._arange = torch.arange(max_tokens, device=device)
+        max_reqs = self._max_reqs = scheduler.max_num_seqs
         self._token_req = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self._step_start = torch.zeros(max_reqs, dtype=torch.int32, device=device)
         self._slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -173,33 +164,17 @@ class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
     ) -> QSAMetadata:
         m = common_attn_metadata
         num_tokens, num_reqs = m.num_actual_tokens, m.num_reqs
-        qsl = m.query_start_loc[: num_reqs + 1]
-        token_req = self._token_req[:num_tokens]
-        token_req.copy_(ple_varlen.token_requests(qsl, num_tokens))
-        step_start = self._step_start[:num_reqs]
-        step_start.copy_(m.seq_lens[:num_reqs] - (qsl[1:] - qsl[:-1]))
-        # Positions from the metadata (padding rows read request 0's and are masked by token_req).
-        req = token_req.clamp(min=0).long()
-        positions = self._positions[:num_tokens]
-        positions.copy_(step_start.long()[req] + (self._arange[:num_tokens] - qsl.long()[req]))
-        block_table = m.block_table_tensor[:num_reqs]
-        slots = self._slots[:num_tokens]
-        block_size = self.kv_cache_spec.block_size
-        if self.kind is CacheKind.KV:
-            slots.copy_(m.slot_mapping[:num_tokens])
-        elif self.kind is CacheKind.BLOCK_KEYS:
-            slots.copy_(qsa_paged.key_slots(token_req, positions, block_table, block_size=block_size, ratio=self.ratio))
-        else:
-            ring = qsa_paged.ring_slots(
-                token_req, positions, m.seq_lens[:num_reqs], block_table[:, 0], ring_capacity=block_size,
-                ratio=self.ratio,
-            )  # fmt: skip
-            slots.copy_(ring)
-        # Rows past this step's tokens: a full CUDA graph captured for more tokens replays over
-        # them, so they must write nowhere and belong to no request (not stale values).
-        self._slots[num_tokens:].fill_(-1)
-        self._token_req[num_tokens:].fill_(-1)
-        return QSAMetadata(num_tokens, token_req, step_start, block_table, slots, positions)
+        # One kernel on CUDA (this runs every step, outside the CUDA graph); the torch reference elsewhere.
+        qsa_step_metadata.step_metadata(
+            self.kind, m.query_start_loc[: num_reqs + 1], m.seq_lens[:num_reqs], m.block_table_tensor[:num_reqs],
+            m.slot_mapping if self.kind is CacheKind.KV else None, num_tokens,
+            block_size=self.kv_cache_spec.block_size, ratio=self.ratio, token_req=self._token_req,
+            step_start=self._step_start, positions=self._positions, slots=self._slots, max_reqs=self._max_reqs,
+        )  # fmt: skip
+        return QSAMetadata(
+            num_tokens, self._token_req[:num_tokens], self._step_start[:num_reqs], m.block_table_tensor[:num_reqs],
+            self._slots[:num_tokens], self._positions[:num_tokens],
+        )  # fmt: skip
 
 
 def cache_kind(spec: KVCacheSpec) -> CacheKind:
