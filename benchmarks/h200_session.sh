@@ -7,11 +7,11 @@
 #
 #   a: GPU 1: the kernels' CUDA tests (qwen38 ops, FLASH_ATTN_V100 numerics) then bf16
 #      exactness; GPU 0: fp16 exactness (breakable and compiled CUDA graphs, eager); then TP=2.
-#   b: bench_gpu.py (medium config, fp16, vLLM on GPU 0 against the roofline and stock's model,
-#      transformers on GPU 1 at the same time).
+#   b: bench_gpu.py (medium config, fp16, vLLM on GPU 0 against the roofline, a stock Qwen3-MoE of the
+#      same size (the peer) and stock's model, transformers on GPU 1 at the same time).
 #   s: the soak (tests/soak: load, preemption, prefix hits, faults) against a server with CUDA graphs.
 #   p: the decode step under torch's profiler, breakable graphs then torch.compile (GPU 0), beside the
-#      decode benchmark in both modes (GPU 1).
+#      decode benchmark in both modes and the peer (GPU 1).
 #   c: GPU 1: exactness in vLLM's V1 model runner; meanwhile CSF's kernels, CSF served against its sources at
 #      TP=1 and TP=2, its load overhead and the Qwen4Exp NVFP4-CSF check (CSF_BUDGET seconds).
 #
@@ -55,9 +55,10 @@ a)
     timeout $(lim 130) $q38 "$res/tp2" --only tp2 --runners v2 --dtypes float16 --work $work/q38 >"$res/tp2.log" 2>&1
     ;;
 b)
-    # transformers on GPU 1 while vLLM runs on GPU 0 (bench_gpu.py does that with two GPUs)
-    timeout $(lim 560) $q38 "$res/bench" --only bench --work $work/q38 --bench-args "--modes graphs,compiled,eager" \
-        >"$res/bench.log" 2>&1
+    # transformers on GPU 1 while vLLM runs on GPU 0 (bench_gpu.py does that with two GPUs); the peer
+    # right after graphs, so the ours / peer ratio survives a limit that stops the later modes
+    timeout $(lim 560) $q38 "$res/bench" --only bench --work $work/q38 \
+        --bench-args "--modes graphs,peer,compiled,eager" >"$res/bench.log" 2>&1
     ;;
 c)
     # the V1 runner on GPU 1 while CSF's TP=1 serving runs on GPU 0; then CSF's two-GPU steps
@@ -74,7 +75,7 @@ c)
     ;;
 p)
     # where a decode step goes (GPU 0: torch profiler, breakable CUDA graphs then torch.compile) while
-    # GPU 1 runs the decode benchmark (both modes, then transformers on the same GPU)
+    # GPU 1 runs the decode benchmark (both modes and the peer, then transformers on the same GPU)
     (
         CUDA_VISIBLE_DEVICES=0 timeout $(lim 200) python3 benchmarks/qwen38_plugin/profile_gpu.py "$res/profile-graphs" \
             --work $work/q38
@@ -82,7 +83,7 @@ p)
             --compiled --work $work/q38
     ) >"$res/profile.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 timeout $(lim 560) python3 benchmarks/qwen38_plugin/bench_gpu.py "$res/bench" \
-        --work $work/q38 --modes graphs,compiled --timeout 300 >"$res/bench.log" 2>&1
+        --work $work/q38 --modes graphs,peer,compiled --timeout 300 >"$res/bench.log" 2>&1
     wait
     ;;
 s)

@@ -2,19 +2,30 @@
 roofline and against transformers, measured in one run.
 
     python benchmarks/qwen38_plugin/bench_gpu.py OUT_DIR [--config medium] [--dtype float16]
-        [--batches 1,8,64,256] [--modes eager,graphs] [--stock] [--work DIR]
+        [--batches 1,8,64,256] [--modes eager,graphs,peer] [--stock] [--work DIR]
 
 For each mode (``eager``: ``enforce_eager=True``; ``graphs``: vLLM's default for this
 architecture on CUDA, breakable CUDA graphs without torch.compile, in vLLM's default GPU model
 runner (V2); ``compiled``: torch.compile with piecewise and full CUDA graphs
 (``VLLM_USE_BREAKABLE_CUDAGRAPH=0``); ``graphs-v1``: ``graphs`` in the V1 runner, the one the CPU
-tests run) and batch size B, ``B`` requests of ``--prompt-len`` random tokens
+tests run; ``peer``: see below) and batch size B, ``B`` requests of ``--prompt-len`` random tokens
 run together through `vllm.LLM` in a child process: prefill tokens/s from a ``max_tokens=1`` run,
 decode tokens/s from ``B * (new_tokens - 1) / (total - prefill time)``, the fastest of ``--repeats``.
 transformers' ``Qwen4ExpForCausalLM.generate`` runs the same prompts as one batch on the same kind
 of GPU (the second GPU, at the same time, where two are visible; else after vLLM on the first).
 With ``--stock``, stock vLLM's own Qwen4Exp (bf16, ``QWEN38_FORCE_PORTABLE=0``) is tried on the
 same checkpoint; what stops it is recorded if it does not start.
+
+The peer (``--modes ...,peer``, rows ``peer-qwen3moe``): a stock vLLM architecture of the same size
+run by the same child with vLLM's defaults for it (no mode environment, so its default model
+runner, torch.compile and CUDA graphs): a random ``Qwen3MoeForCausalLM`` with the geometry of
+``--config`` (hidden size, layers, attention heads, KV heads, head dim, experts, top-k, expert width,
+the tiny builder's 248,320-token vocabulary and its tokenizer, so detokenizing costs the same),
+every layer full attention and sparse, no shared expert, ``norm_topk_prob``. A model this small
+spends most of a decode step outside its weights (scheduling, sampling, input preparation, graph
+launch), so a fraction of the roofline alone cannot say how much of the gap is ours; the peer is
+vLLM's own floor for a model of this size, measured on the same GPU in the same run. It gets its
+own roofline (`peer_decode_bytes`) and the table adds ours-graphs / peer decode tok/s per batch.
 
 The roofline: the bytes a decode step must read at batch B (lm_head, the projections and norms of
 every layer, the experts the batch touches in expectation, the shared experts; KV and states are
@@ -28,9 +39,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +52,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
 
 from bench_cpu import CONFIGS  # noqa: E402  (the same model geometries as the CPU benchmark)
+
+PEER = "peer-qwen3moe"  # the report's name for the peer's rows
+# The peer's Qwen3MoeConfig fields taken as they are from our config (after the tiny builder's defaults).
+PEER_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "num_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size",
+               "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")  # fmt: skip
 
 
 def build_checkpoint(work: Path, config: str, dtype: str, stock_gate: bool) -> Path:
@@ -51,6 +70,47 @@ def build_checkpoint(work: Path, config: str, dtype: str, stock_gate: bool) -> P
     path = work / f"ckpt-{config}-{dtype}{'-stock-gate' if stock_gate else ''}"
     if not path.exists():
         build_tiny_checkpoint(path, "qwen4_exp_text", overrides=overrides, dtype=dtype)
+    return path
+
+
+def peer_config(config: str) -> dict[str, Any]:
+    """The peer's Qwen3MoeConfig fields: ``CONFIGS[config]`` as the tiny builder resolves it
+    (``tiny`` is all defaults; the vocabulary is the builder's), in Qwen3-MoE's plain form."""
+    from qwen38_plugin.tiny.checkpoints import tiny_config_dict
+
+    ours = tiny_config_dict("qwen4_exp_text", CONFIGS[config])
+    fields = {key: ours[key] for key in PEER_FIELDS}
+    # Every layer sparse (no dense MLP layers, so intermediate_size is unused), no sliding window.
+    fields.update(decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, norm_topk_prob=True)
+    return fields
+
+
+def build_peer_checkpoint(work: Path, config: str, dtype: str) -> Path:
+    """A random ``Qwen3MoeForCausalLM`` of ``config``'s size with our tokenizer, built once per work
+    dir (written to a temporary sibling and renamed, so an interrupted build is never reused)."""
+    path = work / f"ckpt-{PEER}-{config}-{dtype}"
+    if path.exists():
+        return path
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from qwen38_plugin.tiny.tokenizer import write_tokenizer
+
+    fields = peer_config(config)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], **fields))
+    model.to(getattr(torch, dtype))
+    model.config.dtype = dtype
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=work))
+    try:
+        model.save_pretrained(staging)
+        # child_vllm loads a tokenizer and detokenizes as it does for our model; the same one here
+        # keeps that host work equal on both sides.
+        write_tokenizer(staging, model_max_length=fields["max_position_embeddings"])
+        staging.rename(path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return path
 
 
@@ -81,7 +141,7 @@ def decode_bytes(config: dict[str, Any], batch: int, elem: int) -> float:
     hc_mixer = width * config["hc_lowrank"] * 2 + width * (hc + 1)  # down, up, inject, norm
     params += (2 * len(layers) + 1) * hc_mixer
     e, k, inter = config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]
-    touched = e * (1 - (1 - k / e) ** batch)
+    touched = touched_experts(e, k, batch)
     expert = 3 * h * inter
     for kind in layers:
         if kind == "linear_attention":
@@ -97,6 +157,27 @@ def decode_bytes(config: dict[str, Any], batch: int, elem: int) -> float:
     for _ in config.get("ple_layer_ids") or []:
         params += config["ple_embed_dim"] * (width + h) + 3 * width
     return float(params * elem)
+
+
+def touched_experts(experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a batch touches in one layer in expectation, routing uniform and independent."""
+    return experts * (1 - (1 - top_k / experts) ** batch)
+
+
+def peer_decode_bytes(config: dict[str, Any], batch: int, elem: int) -> float:
+    """Weight bytes one decode step of the peer (its config.json) must read, counted as `decode_bytes`:
+    lm_head, the batch's embedding rows, then per layer the q/k/v/o projections, the touched experts,
+    the router and the norms."""
+    h, d = config["hidden_size"], config["head_dim"]
+    # transformers 5 writes num_experts under its canonical name num_local_experts
+    e = config["num_local_experts"] if "num_local_experts" in config else config["num_experts"]
+    k, inter = config["num_experts_per_tok"], config["moe_intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    params = config["vocab_size"] * h + batch * h + h  # lm_head, embedding rows, final norm
+    per_layer = h * (heads + 2 * kv_heads) * d + heads * d * h  # q, k, v; o
+    per_layer += touched_experts(e, k, batch) * 3 * h * inter + h * e  # gate, up, down; router
+    per_layer += 2 * h + 2 * d  # input and post-attention norms, q and k norms
+    return float((params + config["num_hidden_layers"] * per_layer) * elem)
 
 
 def _rates(batch: int, new_tokens: int, prefill_s: float, total_s: float, prompt_len: int) -> dict[str, float]:
@@ -209,7 +290,7 @@ def main() -> None:
     parser.add_argument("--config", default="medium", choices=sorted(CONFIGS))
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--batches", default="1,8,64,256")
-    parser.add_argument("--modes", default="graphs,compiled,eager", help="of eager, graphs, compiled, graphs-v1")
+    parser.add_argument("--modes", default="graphs,compiled,eager", help="of eager, graphs, compiled, graphs-v1, peer")
     parser.add_argument("--work", type=Path, help="where the checkpoints are built (default: OUT_DIR)")
     parser.add_argument("--mode", default="graphs")
     parser.add_argument("--repeats", type=int, default=3)
@@ -241,6 +322,13 @@ def main() -> None:
                               "gpu": torch.cuda.get_device_name(), "results": {}}  # fmt: skip
     roof = {b: b / (decode_bytes(config, b, elem) / bandwidth) for b in args.batches}
     report["roofline_decode_tok_s"] = {str(b): r for b, r in roof.items()}
+    modes = args.modes.split(",")
+    if "peer" in modes:
+        peer_model = build_peer_checkpoint(work, args.config, args.dtype)
+        peer = json.loads((peer_model / "config.json").read_text())
+        report["peer_roofline_decode_tok_s"] = {
+            str(b): b / (peer_decode_bytes(peer, b, elem) / bandwidth) for b in args.batches
+        }
     # With two GPUs visible, transformers runs on the second one while vLLM runs on the first.
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
     gpus = [g for g in visible.split(",") if g]
@@ -248,8 +336,15 @@ def main() -> None:
     vllm_env = {"CUDA_VISIBLE_DEVICES": gpus[0]} if len(gpus) >= 2 else {}
     report["transformers_gpu"] = "second GPU, concurrently" if hf_env else "same GPU, after vLLM"
     hf = start_child("transformers", args, hf_env) if hf_env and not args.no_transformers else None
-    for mode in args.modes.split(","):
+    for mode in modes:
         args.mode = mode
+        if mode == "peer":
+            peer_args = argparse.Namespace(**vars(args))
+            peer_args.model = str(peer_model)
+            # No mode environment: vLLM picks runner, compilation and CUDA graphs as for any user.
+            report["results"][PEER] = run_child("vllm", peer_args, vllm_env, args.timeout)
+            _save(args.out, report)
+            continue
         env = {"VLLM_USE_V2_MODEL_RUNNER": "0" if mode.endswith("-v1") else "1", **vllm_env}
         if mode.startswith("compiled"):
             env["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
@@ -281,6 +376,7 @@ def print_table(report: dict[str, Any], batches: list[int]) -> None:
     print(f"{report['gpu']}, {report['config']} {report['dtype']}, copy {report['copy_bandwidth_GBps']:.0f} GB/s")
     print("| run | batch | decode tok/s | step ms | of roofline | vs transformers | prefill tok/s |")
     print("|---|---|---|---|---|---|---|")
+    peer_roof = report.get("peer_roofline_decode_tok_s", {})
     for name, result in report["results"].items():
         if "error" in result:  # what it measured before it stopped, if anything, still prints
             print(f"| {name} | - | failed: {result['error'][:200]} | | | | |")
@@ -288,14 +384,23 @@ def print_table(report: dict[str, Any], batches: list[int]) -> None:
             r = result.get(str(b))
             if r is None:
                 continue
-            ratio = float("nan")
-            if str(b) in hf:
-                ratio = r["decode_tok_s"] / hf[str(b)]["decode_tok_s"]
+            # The peer is a different model: its own roofline, and transformers ran ours, not it.
+            own_roof = peer_roof if name == PEER else roof
+            vs_hf = "-"
+            if str(b) in hf and name != PEER:
+                vs_hf = f"{r['decode_tok_s'] / hf[str(b)]['decode_tok_s']:.1f}x"
             print(
                 f"| {name} | {b} | {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | "
-                f"{r['decode_tok_s'] / roof[str(b)]:.3f} | {ratio:.1f}x | {r['prefill_tok_s']:.0f} |"
+                f"{r['decode_tok_s'] / own_roof[str(b)]:.3f} | {vs_hf} | {r['prefill_tok_s']:.0f} |"
             )
     print("roofline decode tok/s: " + ", ".join(f"b{b}: {roof[str(b)]:.0f}" for b in batches))
+    if peer_roof:
+        print(f"{PEER} roofline decode tok/s: " + ", ".join(f"b{b}: {peer_roof[str(b)]:.0f}" for b in batches))
+    ours, peer = report["results"].get("ours-graphs", {}), report["results"].get(PEER, {})
+    both = [b for b in batches if str(b) in ours and str(b) in peer]
+    if both:
+        ratios = (f"b{b}: {ours[str(b)]['decode_tok_s'] / peer[str(b)]['decode_tok_s']:.2f}x" for b in both)
+        print(f"decode tok/s ours-graphs / {PEER}: " + ", ".join(ratios))
 
 
 if __name__ == "__main__":
