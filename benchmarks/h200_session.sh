@@ -12,6 +12,8 @@
 #   s: the soak (tests/soak: load, preemption, prefix hits, faults) against a server with CUDA graphs.
 #   p: the decode step under torch's profiler, breakable graphs then torch.compile (GPU 0), beside the
 #      decode benchmark in both modes and the peer (GPU 1).
+#   e: after a kernel change: the kernels' CUDA tests and fp16 exactness with graphs (GPU 1); the decode
+#      benchmark beside vLLM's own peer model, then the profile (GPU 0).
 #   c: GPU 1: exactness in vLLM's V1 model runner; meanwhile CSF's kernels, CSF served against its sources at
 #      TP=1 and TP=2, its load overhead and the Qwen4Exp NVFP4-CSF check (CSF_BUDGET seconds).
 #
@@ -100,8 +102,27 @@ d)
         --bench-args "--modes graphs --batches 1,8,64 --repeats 2 --no-transformers" >"$res/bench.log" 2>&1
     wait
     ;;
+e)
+    # after a change to the kernels: their CUDA tests then fp16 exactness with CUDA graphs (GPU 1);
+    # the decode benchmark against vLLM's own peer model (GPU 0), then where a step goes (profile)
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        timeout $(lim 120) python3 -m pytest --noconftest -q -rA -p no:cacheprovider \
+            tests/qwen38_plugin/test_qwen38_fused_ops.py tests/qwen38_plugin/test_qwen38_qsa_paged.py \
+            >"$res/ops.log" 2>&1
+        timeout $(lim 250) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 --modes graphs \
+            --work $work/q38
+    ) >"$res/gpu1.log" 2>&1 &
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout $(lim 330) python3 benchmarks/qwen38_plugin/bench_gpu.py "$res/bench" --work $work/q38 \
+            --modes graphs,peer --repeats 2 --no-transformers --timeout 300
+        timeout $(lim 150) python3 benchmarks/qwen38_plugin/profile_gpu.py "$res/profile-graphs" --work $work/q38
+    ) >"$res/gpu0.log" 2>&1
+    wait
+    ;;
 *)
-    echo "part: a, b, c, d, p or s" >&2
+    echo "part: a, b, c, d, e, p or s" >&2
     exit 2
     ;;
 esac
