@@ -78,8 +78,12 @@ def check_hc_norm() -> str:
                 kw = {"hc_count": hc_count, "eps": 1e-6, **extra}
                 ref_streams, ref_normed = hc.hc_norm(x["streams"], x["norm_weight"], backend="torch", **kw)
                 streams, normed = hc.hc_norm(x["streams"], x["norm_weight"], backend="triton", **kw)
-                # the injection is elementwise, rounded as torch rounds: equal bit for bit
-                assert torch.equal(streams, ref_streams), "streams after the injection differ"
+                # the injection is elementwise, rounded as torch rounds: equal bit for bit, except
+                # that in fp32 CUDA's compiler may fuse the product and the sum (one rounding fewer)
+                if dtype == torch.float32 and NATIVE:
+                    assert rel(streams, ref_streams) <= TOLERANCE[dtype], "streams after the injection differ"
+                else:
+                    assert torch.equal(streams, ref_streams), "streams after the injection differ"
                 assert fused or streams is x["streams"], "without an injection the streams are passed through"
                 err = rel(normed, ref_normed)
                 assert err <= TOLERANCE[dtype], f"{tokens, hidden, hc_count, dtype, fused}: rel err {err:.2e}"
@@ -87,7 +91,7 @@ def check_hc_norm() -> str:
     return f"{cases} cases, worst rel err {worst:.2e}"
 
 
-def check_hc_project() -> str:
+def check_hc_mix_normed() -> str:
     worst = 0.0
     cases = 0
     for tokens, hidden, hc_count, rank in MIXER_SHAPES:
@@ -95,30 +99,8 @@ def check_hc_project() -> str:
             x = _mixer_inputs(tokens, hidden, hc_count, rank, dtype)
             normed = x["streams"]
             for inject in (x["inject"], None):
-                ref_down, ref_projected = hc.hc_project(normed, x["down"], inject, backend="torch")
-                down, projected = hc.hc_project(normed, x["down"], inject, backend="triton")
-                errs = [rel(down, ref_down)]
-                if inject is None:
-                    assert projected is None and ref_projected is None
-                else:
-                    assert projected is not None and ref_projected is not None
-                    errs.append(rel(projected, ref_projected))
-                assert max(errs) <= TOLERANCE[dtype], f"{tokens, hidden, hc_count, rank, dtype}: rel err {errs}"
-                worst, cases = max(worst, *errs), cases + 1
-    return f"{cases} cases, worst rel err {worst:.2e}"
-
-
-def check_hc_gate_mix() -> str:
-    worst = 0.0
-    cases = 0
-    for tokens, hidden, hc_count, rank in MIXER_SHAPES:
-        for dtype in DTYPES:
-            x = _mixer_inputs(tokens, hidden, hc_count, rank, dtype)
-            normed = x["streams"]
-            for inject in (x["inject"], None):
-                down, projected = hc.hc_project(normed, x["down"], inject, backend="torch")
-                ref = hc.hc_gate_mix(normed, down, projected, x["up"], hc_count=hc_count, backend="torch")
-                got = hc.hc_gate_mix(normed, down, projected, x["up"], hc_count=hc_count, backend="triton")
+                ref = hc.hc_mix_normed(normed, x["down"], x["up"], inject, hc_count=hc_count, backend="torch")
+                got = hc.hc_mix_normed(normed, x["down"], x["up"], inject, hc_count=hc_count, backend="triton")
                 errs = [rel(got[0], ref[0])]
                 if inject is None:
                     assert got[1] is None
@@ -142,8 +124,7 @@ def check_mixer_end_to_end() -> str:
                 x["streams"], x["norm_weight"], hc_count=hc_count, eps=1e-6, block_output=x["block"],
                 injection=x["injection"], backend="triton",
             )  # fmt: skip
-            down, projected = hc.hc_project(normed, x["down"], x["inject"], backend="triton")
-            got = hc.hc_gate_mix(normed, down, projected, x["up"], hc_count=hc_count, backend="triton")
+            got = hc.hc_mix_normed(normed, x["down"], x["up"], x["inject"], hc_count=hc_count, backend="triton")
             assert ref[1] is not None and got[1] is not None
             # rounding differences of the normed streams pass through two projections: twice the step tolerance
             err = max(rel(got[0], ref[0]), rel(got[1], ref[1]))
@@ -181,8 +162,7 @@ def check_imports_without_vllm() -> str:
 
 CHECKS: dict[str, Callable[[], str]] = {
     "hc_norm": check_hc_norm,
-    "hc_project": check_hc_project,
-    "hc_gate_mix": check_hc_gate_mix,
+    "hc_mix_normed": check_hc_mix_normed,
     "hc_mixer_end_to_end": check_mixer_end_to_end,
     "rms_norm_rope": check_rms_norm_rope,
     "imports_without_vllm": check_imports_without_vllm,

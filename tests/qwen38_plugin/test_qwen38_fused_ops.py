@@ -1,5 +1,5 @@
-"""The served model's fused ops: the hyper-connection mixer in three steps (`hyper_connection.hc_norm`,
-`hc_project`, `hc_gate_mix`) and per-head RMSNorm + partial RoPE (`norm_rope.rms_norm_rope`).
+"""The served model's fused ops: the hyper-connection mixer in two steps (`hyper_connection.hc_norm`,
+`hc_mix_normed`: three kernels) and per-head RMSNorm + partial RoPE (`norm_rope.rms_norm_rope`).
 
 - their torch paths (CPU) compose to exactly the reference mixer and injection;
 - the Triton kernels match the torch paths (fused_ops_triton_check.py, in a subprocess: under
@@ -29,7 +29,7 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_three_steps_with_a_pending_injection_equal_the_reference_mixer(dtype: torch.dtype) -> None:
+def test_the_steps_with_a_pending_injection_equal_the_reference_mixer(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     tokens, hidden, hc_count, rank = 6, 48, 4, 16
     width = hidden * hc_count
@@ -46,8 +46,7 @@ def test_three_steps_with_a_pending_injection_equal_the_reference_mixer(dtype: t
         got_streams, normed = hc.hc_norm(
             streams, norm_weight, hc_count=hc_count, eps=1e-6, block_output=block, injection=injection
         )
-        d, projected = hc.hc_project(normed, down, weight)
-        mixed, weights = hc.hc_gate_mix(normed, d, projected, up, hc_count=hc_count)
+        mixed, weights = hc.hc_mix_normed(normed, down, up, weight, hc_count=hc_count)
         assert torch.equal(got_streams, expected_streams)
         assert torch.equal(mixed, expected[0])
         assert (weights is None and expected[1] is None) or torch.equal(weights, expected[1])  # type: ignore[arg-type]
@@ -58,7 +57,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="block_output and injection come together"):
         hc.hc_norm(x, torch.zeros(8), hc_count=2, eps=1e-6, block_output=torch.zeros(2, 4))
     with pytest.raises(ValueError, match="backend must be one of"):
-        hc.hc_project(x, torch.zeros(4, 8), None, backend="cuda")
+        hc.hc_mix_normed(x, torch.zeros(4, 8), torch.zeros(8, 4), None, hc_count=2, backend="cuda")
 
 
 def test_dispatch_picks_triton_for_cuda_only_and_obeys_the_reference_switches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,7 +95,7 @@ def kernel_report() -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "check", ["hc_norm", "hc_project", "hc_gate_mix", "hc_mixer_end_to_end", "rms_norm_rope", "imports_without_vllm"]
+    "check", ["hc_norm", "hc_mix_normed", "hc_mixer_end_to_end", "rms_norm_rope", "imports_without_vllm"]
 )
 def test_triton_kernels_match_torch(kernel_report: dict[str, str], check: str) -> None:
     line = kernel_report.get(check)
@@ -112,12 +111,13 @@ def _cases(dtype: str) -> dict[str, tuple[Any, dict[str, str], tuple[str, ...], 
         "hc_norm": (hc._hc_norm_kernel, dict.fromkeys(["streams_ptr", "block_ptr", "injection_ptr", "weight_ptr",
                                                          "out_ptr", "normed_ptr"], p), ("eps",),
                     {"INJECT": True, "HC": 4, "BLOCK_H": 2048}),
-        "hc_project": (hc._hc_project_kernel, dict.fromkeys(["normed_ptr", "down_w_ptr", "inject_w_ptr", "down_ptr",
-                                                               "projected_ptr"], p), (),
-                       {"BLOCK_T": 16, "BLOCK_N": 16, "BLOCK_K": 128}),
-        "hc_gate_mix": (hc._hc_gate_mix_kernel, dict.fromkeys(["normed_ptr", "down_ptr", "projected_ptr", "up_w_ptr",
-                                                                 "mixed_ptr", "injection_ptr"], p), (),
-                        {"INJECT": True, "HC": 4, "BLOCK_T": 16, "BLOCK_H": 64, "BLOCK_R": 64, "BLOCK_HC": 4}),
+        "hc_project": (hc._hc_project_kernel, {**dict.fromkeys(["normed_ptr", "down_w_ptr", "inject_w_ptr"], p),
+                                                "partials_ptr": "*fp32"}, (),
+                       {"BLOCK_T": 16, "BLOCK_N": 16, "BLOCK_K": 128, "FP32_DOT": False}),
+        "hc_gate_mix": (hc._hc_gate_mix_kernel, {**dict.fromkeys(["normed_ptr", "up_w_ptr", "mixed_ptr",
+                                                                   "injection_ptr"], p), "partials_ptr": "*fp32"}, (),
+                        {"INJECT": True, "HC": 4, "BLOCK_T": 16, "BLOCK_H": 32, "BLOCK_R": 64, "BLOCK_HC": 4,
+                         "FP32_DOT": False}),
         "rms_norm_rope": (norm_rope._rms_norm_rope_kernel, dict.fromkeys(["x_ptr", "weight_ptr", "cos_ptr", "sin_ptr",
                                                                           "out_ptr"], p), ("eps",),
                           {"BLOCK_D": 256}),
@@ -164,8 +164,7 @@ def test_mixer_replayed_from_a_cuda_graph_equals_eager() -> None:
         out, normed = hc.hc_norm(
             streams, weights[0], hc_count=hc_count, eps=1e-6, block_output=block, injection=injection
         )
-        d, projected = hc.hc_project(normed, weights[1], weights[3])
-        mixed, inj = hc.hc_gate_mix(normed, d, projected, weights[2], hc_count=hc_count)
+        mixed, inj = hc.hc_mix_normed(normed, weights[1], weights[2], weights[3], hc_count=hc_count)
         assert inj is not None
         return out, mixed, inj
 

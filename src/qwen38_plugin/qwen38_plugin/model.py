@@ -215,7 +215,7 @@ class GatedResidual(nn.Module):
             hc_count=self.hc_count, eps=self.eps,
         )  # fmt: skip
 
-    # The same mixer in the served model's three steps (one kernel each on CUDA):
+    # The same mixer as the served model runs it (three kernels on CUDA):
     # ``mix_normed(norm(streams)[1])`` is ``mix(streams)``.
     def norm(
         self,
@@ -232,9 +232,8 @@ class GatedResidual(nn.Module):
 
     def mix_normed(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         inject = self.block_inject_weight.weight if self.block_inject_weight is not None else None
-        down, projected = hyper_connection.hc_project(normed, self.input_mix_weight_down.weight, inject)
-        return hyper_connection.hc_gate_mix(
-            normed, down, projected, self.input_mix_weight_up.weight, hc_count=self.hc_count
+        return hyper_connection.hc_mix_normed(
+            normed, self.input_mix_weight_down.weight, self.input_mix_weight_up.weight, inject, hc_count=self.hc_count
         )
 
 

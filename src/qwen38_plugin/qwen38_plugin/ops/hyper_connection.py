@@ -12,8 +12,9 @@ the reference elsewhere, behind one dispatcher per step:
 
 1. `hc_norm`: the grouped RMSNorm, optionally after adding the previous block's output
    (`hc_inject` fused in: the streams are read and written once);
-2. `hc_project`: ``down(n)`` and ``inject(n)``, the two small projections of the normed streams;
-3. `hc_gate_mix`: ``up``, the sigmoid gate, the mean over streams and the injection weights.
+2. `hc_mix_normed`: ``down(n)`` and ``inject(n)``, the two small projections of the normed
+   streams (one kernel), then ``up``, the sigmoid gate, the mean over streams and the injection
+   weights (another).
 
 On CUDA the torch reference launches about twenty kernels a mixer (each 1-5 us at decode);
 the three kernels round at the same points as the reference (every intermediate in the model
@@ -144,74 +145,69 @@ def hc_norm(
     return out, normed
 
 
-def hc_project_torch(
-    normed: torch.Tensor, down_weight: torch.Tensor, inject_weight: torch.Tensor | None
+def hc_mix_normed_torch(
+    normed: torch.Tensor,
+    down_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    inject_weight: torch.Tensor | None,
+    hc_count: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     down = F.linear(normed, down_weight)
-    return down, (F.linear(normed, inject_weight) if inject_weight is not None else None)
-
-
-def hc_project(
-    normed: torch.Tensor, down_weight: torch.Tensor, inject_weight: torch.Tensor | None, *, backend: str = "auto"
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(``down(n) [T, R]``, ``inject(n) [T, hc]`` or None): both projections in one kernel."""
-    if not use_triton(normed, backend):
-        return hc_project_torch(normed, down_weight, inject_weight)
-    tokens, width = normed.shape
-    rank = down_weight.shape[0]
-    hc = inject_weight.shape[0] if inject_weight is not None else 0
-    down = normed.new_empty(tokens, rank)
-    projected = normed.new_empty(tokens, hc) if inject_weight is not None else None
-    if tokens:
-        block_t = 16 if tokens <= 16 else 32
-        block_n = 16
-        down_blocks = triton.cdiv(rank, block_n)
-        grid = (triton.cdiv(tokens, block_t), down_blocks + triton.cdiv(hc, block_n))
-        _hc_project_kernel[grid](
-            normed, down_weight, inject_weight if inject_weight is not None else down_weight, down,
-            projected if projected is not None else down, tokens, width, rank, hc, down_blocks,
-            normed.stride(0), down_weight.stride(0),
-            inject_weight.stride(0) if inject_weight is not None else 0,
-            down.stride(0), projected.stride(0) if projected is not None else 0,
-            BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=128,
-        )  # fmt: skip
-    return down, projected
-
-
-def hc_gate_mix_torch(
-    normed: torch.Tensor, down: torch.Tensor, projected: torch.Tensor | None, up_weight: torch.Tensor, hc_count: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    projected = F.linear(normed, inject_weight) if inject_weight is not None else None
     return _gate_mix_torch(normed, down, projected, up_weight, hc_count)
 
 
-def hc_gate_mix(
+def hc_mix_normed(
     normed: torch.Tensor,
-    down: torch.Tensor,
-    projected: torch.Tensor | None,
+    down_weight: torch.Tensor,
     up_weight: torch.Tensor,
+    inject_weight: torch.Tensor | None,
     *,
     hc_count: int,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(block input ``[T, H]``, injection weights ``[T, hc]`` or None) from the normed streams
-    and the two projections of `hc_project`."""
+    ``[T, hc * H]``: `hc_mix` after its norm.
+
+    Triton: the two projections in one kernel, split over K so that a decode step's few tokens
+    still fill the GPU (fp32 partial sums, added in a fixed order by the second kernel, then
+    rounded once as the reference's projection rounds), then the gate, mean and injection weights."""
     if not use_triton(normed, backend):
-        return hc_gate_mix_torch(normed, down, projected, up_weight, hc_count)
+        return hc_mix_normed_torch(normed, down_weight, up_weight, inject_weight, hc_count)
     tokens, width = normed.shape
-    hidden, rank = width // hc_count, down.shape[1]
+    hidden, rank = width // hc_count, down_weight.shape[0]
+    hc = inject_weight.shape[0] if inject_weight is not None else 0
     mixed = normed.new_empty(tokens, hidden)
-    injection = normed.new_empty(tokens, hc_count) if projected is not None else None
-    if tokens:
-        block_t = 16 if tokens <= 16 else 32
-        block_h = 64
-        _hc_gate_mix_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_h))](
-            normed, down, projected if projected is not None else down, up_weight, mixed,
-            injection if injection is not None else mixed, tokens, hidden, rank,
-            normed.stride(0), down.stride(0), projected.stride(0) if projected is not None else 0,
-            up_weight.stride(0), mixed.stride(0), injection.stride(0) if injection is not None else 0,
-            INJECT=projected is not None, HC=hc_count, BLOCK_T=block_t, BLOCK_H=block_h,
-            BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_HC=max(2, triton.next_power_of_2(hc_count)),
-        )  # fmt: skip
+    injection = normed.new_empty(tokens, hc_count) if inject_weight is not None else None
+    if not tokens:
+        return mixed, injection
+    block_t = 16 if tokens <= 16 else 32
+    block_n, block_k = 16, 128
+    t_blocks = triton.cdiv(tokens, block_t)
+    down_blocks = triton.cdiv(rank, block_n)
+    n_blocks = down_blocks + triton.cdiv(hc, block_n)
+    # split K until about 128 programs run (one chunk per program, whole BLOCK_K steps)
+    splits = max(1, min(triton.cdiv(width, block_k), triton.cdiv(128, t_blocks * n_blocks)))
+    chunk = triton.cdiv(triton.cdiv(width, splits), block_k) * block_k
+    splits = triton.cdiv(width, chunk)
+    columns = rank + hc
+    partials = torch.empty(splits, tokens, columns, dtype=torch.float32, device=normed.device)
+    fp32 = normed.dtype == torch.float32
+    _hc_project_kernel[(t_blocks, n_blocks, splits)](
+        normed, down_weight, inject_weight if inject_weight is not None else down_weight, partials,
+        tokens, width, rank, hc, down_blocks, chunk, normed.stride(0), down_weight.stride(0),
+        inject_weight.stride(0) if inject_weight is not None else 0, columns,
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=fp32,
+    )  # fmt: skip
+    block_h = 32 if tokens <= 16 else 64
+    _hc_gate_mix_kernel[(t_blocks, triton.cdiv(hidden, block_h))](
+        normed, partials, up_weight, mixed, injection if injection is not None else mixed,
+        tokens, hidden, rank, splits, columns, normed.stride(0), up_weight.stride(0), mixed.stride(0),
+        injection.stride(0) if injection is not None else 0,
+        INJECT=inject_weight is not None, HC=hc_count, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_HC=max(2, triton.next_power_of_2(hc_count)),
+        FP32_DOT=fp32,
+    )  # fmt: skip
     return mixed, injection
 
 
@@ -257,25 +253,27 @@ if HAVE_TRITON:
     def _project_tile(  # type: ignore[no-untyped-def]
         x_ptr,
         w_ptr,
-        out_ptr,
         t0,
         n0,
+        k_begin,
         tokens,
         width,
         outputs,
+        chunk,
         stride_x,
         stride_w,
-        stride_out,
         BLOCK_T: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        FP32_DOT: tl.constexpr,
     ):
+        # x[t0:, :] @ w[n0:, :].T over the K range [k_begin, k_begin + chunk): [BLOCK_T, BLOCK_N] fp32
         rows = t0 + tl.arange(0, BLOCK_T)
         cols = n0 + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, width, BLOCK_K):
-            k_ok = (k0 + ks) < width
+        for k0 in range(k_begin, k_begin + chunk, BLOCK_K):
+            k_ok = ((k0 + ks) < width) & ((k0 + ks) < k_begin + chunk)
             x = tl.load(
                 x_ptr + rows[:, None] * stride_x + (k0 + ks)[None, :],
                 mask=(rows[:, None] < tokens) & k_ok[None, :],
@@ -286,62 +284,73 @@ if HAVE_TRITON:
                 mask=(cols[:, None] < outputs) & k_ok[None, :],
                 other=0.0,
             )
-            acc += tl.dot(x, tl.trans(w))
-        tl.store(
-            out_ptr + rows[:, None] * stride_out + cols[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=(rows[:, None] < tokens) & (cols[None, :] < outputs),
-        )
+            if FP32_DOT:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")  # no TF32 for fp32 models
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        return acc
 
     @triton.jit
     def _hc_project_kernel(  # type: ignore[no-untyped-def]
         normed_ptr,
         down_w_ptr,
         inject_w_ptr,
-        down_ptr,
-        projected_ptr,
+        partials_ptr,
         tokens,
         width,
         rank,
         hc,
         down_blocks,
+        chunk,
         stride_normed,
         stride_down_w,
         stride_inject_w,
-        stride_down,
-        stride_projected,
+        columns,
         BLOCK_T: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        FP32_DOT: tl.constexpr,
     ):
-        # Columns [0, down_blocks * BLOCK_N) are down's outputs, the rest inject's.
+        # partials [splits, T, rank + hc] fp32: columns [0, rank) are down's, the rest inject's;
+        # program (t block, column block, split) sums one K chunk.
         t0 = tl.program_id(0) * BLOCK_T
         block = tl.program_id(1)
+        split = tl.program_id(2)
+        k_begin = split * chunk
+        rows = t0 + tl.arange(0, BLOCK_T)
+        row_ok = rows[:, None] < tokens
+        out = partials_ptr + (split * tokens + rows[:, None]) * columns
         if block < down_blocks:
-            _project_tile(
-                normed_ptr, down_w_ptr, down_ptr, t0, block * BLOCK_N, tokens, width, rank,
-                stride_normed, stride_down_w, stride_down, BLOCK_T, BLOCK_N, BLOCK_K,
+            # (names differ between the branches: Triton requires a variable to keep one type)
+            n_down = block * BLOCK_N
+            acc_down = _project_tile(
+                normed_ptr, down_w_ptr, t0, n_down, k_begin, tokens, width, rank, chunk,
+                stride_normed, stride_down_w, BLOCK_T, BLOCK_N, BLOCK_K, FP32_DOT,
             )  # fmt: skip
+            cols_down = n_down + tl.arange(0, BLOCK_N)
+            tl.store(out + cols_down[None, :], acc_down, mask=row_ok & (cols_down[None, :] < rank))
         else:
-            _project_tile(
-                normed_ptr, inject_w_ptr, projected_ptr, t0, (block - down_blocks) * BLOCK_N, tokens, width, hc,
-                stride_normed, stride_inject_w, stride_projected, BLOCK_T, BLOCK_N, BLOCK_K,
+            n_inject = (block - down_blocks) * BLOCK_N
+            acc_inject = _project_tile(
+                normed_ptr, inject_w_ptr, t0, n_inject, k_begin, tokens, width, hc, chunk,
+                stride_normed, stride_inject_w, BLOCK_T, BLOCK_N, BLOCK_K, FP32_DOT,
             )  # fmt: skip
+            cols_inject = n_inject + tl.arange(0, BLOCK_N)
+            tl.store(out + rank + cols_inject[None, :], acc_inject, mask=row_ok & (cols_inject[None, :] < hc))
 
     @triton.jit
     def _hc_gate_mix_kernel(  # type: ignore[no-untyped-def]
         normed_ptr,
-        down_ptr,
-        projected_ptr,
+        partials_ptr,
         up_w_ptr,
         mixed_ptr,
         injection_ptr,
         tokens,
         hidden,
         rank,
+        splits,
+        columns,
         stride_normed,
-        stride_down,
-        stride_projected,
         stride_up_w,
         stride_mixed,
         stride_injection,
@@ -351,6 +360,7 @@ if HAVE_TRITON:
         BLOCK_H: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_HC: tl.constexpr,
+        FP32_DOT: tl.constexpr,
     ):
         # One program per (token block, feature block): the gate of each stream for these
         # features (up-projection of the silu'd low-rank code), times the normed stream,
@@ -360,13 +370,13 @@ if HAVE_TRITON:
         rows = t0 + tl.arange(0, BLOCK_T)
         row_ok = rows < tokens
         rs = tl.arange(0, BLOCK_R)
-        code = tl.load(
-            down_ptr + rows[:, None] * stride_down + rs[None, :],
-            mask=row_ok[:, None] & (rs[None, :] < rank),
-            other=0.0,
-        )
-        dtype = code.dtype
-        code = (code.to(tl.float32) / HC).to(dtype).to(tl.float32)
+        code_ok = row_ok[:, None] & (rs[None, :] < rank)
+        code = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        for split in range(0, splits):  # the projection's K splits, in order
+            code += tl.load(partials_ptr + (split * tokens + rows[:, None]) * columns + rs[None, :], mask=code_ok)
+        dtype = normed_ptr.dtype.element_ty
+        code = code.to(dtype).to(tl.float32)  # the projection's output, rounded once
+        code = (code / HC).to(dtype).to(tl.float32)
         code = (code / (1.0 + tl.exp(-code))).to(dtype)  # silu, rounded as torch rounds it
         hs = h0 + tl.arange(0, BLOCK_H)
         h_ok = hs < hidden
@@ -377,7 +387,8 @@ if HAVE_TRITON:
                 mask=h_ok[:, None] & (rs[None, :] < rank),
                 other=0.0,
             )
-            logit = tl.dot(code, tl.trans(up)).to(dtype).to(tl.float32)
+            logit = tl.dot(code, tl.trans(up), input_precision="ieee") if FP32_DOT else tl.dot(code, tl.trans(up))
+            logit = logit.to(dtype).to(tl.float32)
             gate = (1.0 / (1.0 + tl.exp(-logit))).to(dtype).to(tl.float32)
             normed = tl.load(
                 normed_ptr + rows[:, None] * stride_normed + (stream * hidden + hs)[None, :],
@@ -394,8 +405,13 @@ if HAVE_TRITON:
             if tl.program_id(1) == 0:
                 ss = tl.arange(0, BLOCK_HC)
                 ok = row_ok[:, None] & (ss[None, :] < HC)
-                p = tl.load(projected_ptr + rows[:, None] * stride_projected + ss[None, :], mask=ok, other=0.0)
-                p = (p.to(tl.float32) / HC).to(dtype).to(tl.float32)
+                p = tl.zeros((BLOCK_T, BLOCK_HC), dtype=tl.float32)
+                for split in range(0, splits):
+                    p += tl.load(
+                        partials_ptr + (split * tokens + rows[:, None]) * columns + rank + ss[None, :], mask=ok
+                    )
+                p = p.to(dtype).to(tl.float32)
+                p = (p / HC).to(dtype).to(tl.float32)
                 weight = (1.0 / (1.0 + tl.exp(-p))).to(dtype).to(tl.float32)
                 tl.store(
                     injection_ptr + rows[:, None] * stride_injection + ss[None, :], (2.0 * weight).to(dtype), mask=ok
