@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from qwen38_plugin.ops import hyper_connection as hc
-from qwen38_plugin.ops import norm_rope
+from qwen38_plugin.ops import norm_rope, ple_varlen
 from qwen38_plugin.ops.common import rotary_cos_sin
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1" else "cpu"
@@ -155,6 +155,27 @@ def check_rms_norm_rope() -> str:
     return f"{cases} cases, worst rel err {worst:.2e}"
 
 
+def check_ple_gated_conv_inputs() -> str:
+    """PLE's per-token gate and conv input (`ple_varlen.gated_conv_inputs`)."""
+    worst = 0.0
+    cases = 0
+    shapes = [(1, 64, 4), (6, 48, 3), (0, 64, 4)] + ([(64, 1024, 4), (300, 2048, 4)] if NATIVE else [])
+    for tokens, hidden, hc_count in shapes:
+        width = hidden * hc_count
+        for dtype in DTYPES:
+            wide = randn(tokens, 2 * width, dtype=dtype)
+            streams = wide[:, :width]  # rows strided past their width, as a view of a wider tensor
+            key, value = randn(tokens, width, dtype=dtype), randn(tokens, hidden, dtype=dtype)
+            norms = [randn(width, scale=0.1, dtype=dtype) for _ in range(3)]
+            kw: dict[str, Any] = {"hc_count": hc_count, "eps": 1e-6, "conv_dtype": dtype}
+            ref = ple_varlen.gated_conv_inputs(streams, key, value, *norms, backend="torch", **kw)
+            got = ple_varlen.gated_conv_inputs(streams, key, value, *norms, backend="triton", **kw)
+            err = max(rel(got[0], ref[0]), rel(got[1], ref[1]))
+            assert err <= 2 * TOLERANCE[dtype], f"{tokens, hidden, hc_count, dtype}: rel err {err:.2e}"
+            worst, cases = max(worst, err), cases + 1
+    return f"{cases} cases, worst rel err {worst:.2e}"
+
+
 def check_imports_without_vllm() -> str:
     assert "vllm" not in sys.modules, "importing the ops imported vllm"
     return "no vllm in sys.modules"
@@ -165,6 +186,7 @@ CHECKS: dict[str, Callable[[], str]] = {
     "hc_mix_normed": check_hc_mix_normed,
     "hc_mixer_end_to_end": check_mixer_end_to_end,
     "rms_norm_rope": check_rms_norm_rope,
+    "ple_gated_conv_inputs": check_ple_gated_conv_inputs,
     "imports_without_vllm": check_imports_without_vllm,
 }
 

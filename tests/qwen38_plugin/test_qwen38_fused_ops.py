@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from qwen38_plugin.ops import hyper_connection as hc
-from qwen38_plugin.ops import norm_rope
+from qwen38_plugin.ops import norm_rope, ple_varlen
 from tests.qwen38_plugin.qsa_paged_compile_check import _signature
 
 HERE = Path(__file__).resolve().parent
@@ -95,7 +95,15 @@ def kernel_report() -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "check", ["hc_norm", "hc_mix_normed", "hc_mixer_end_to_end", "rms_norm_rope", "imports_without_vllm"]
+    "check",
+    [
+        "hc_norm",
+        "hc_mix_normed",
+        "hc_mixer_end_to_end",
+        "rms_norm_rope",
+        "ple_gated_conv_inputs",
+        "imports_without_vllm",
+    ],
 )
 def test_triton_kernels_match_torch(kernel_report: dict[str, str], check: str) -> None:
     line = kernel_report.get(check)
@@ -118,6 +126,10 @@ def _cases(dtype: str) -> dict[str, tuple[Any, dict[str, str], tuple[str, ...], 
                                                                    "injection_ptr"], p), "partials_ptr": "*fp32"}, (),
                         {"INJECT": True, "HC": 4, "BLOCK_T": 16, "BLOCK_H": 32, "BLOCK_R": 64, "BLOCK_HC": 4,
                          "FP32_DOT": False}),
+        "ple_gated_conv_inputs": (ple_varlen._gated_conv_inputs_kernel,
+                                  dict.fromkeys(["streams_ptr", "key_ptr", "value_ptr", "norm_key_ptr",
+                                                 "norm_query_ptr", "norm_conv_ptr", "gated_ptr", "conv_ptr"], p),
+                                  ("eps", "inv_sqrt_hidden"), {"BLOCK_H": 2048}),
         "rms_norm_rope": (norm_rope._rms_norm_rope_kernel, dict.fromkeys(["x_ptr", "weight_ptr", "cos_ptr", "sin_ptr",
                                                                           "out_ptr"], p), ("eps",),
                           {"BLOCK_D": 256}),

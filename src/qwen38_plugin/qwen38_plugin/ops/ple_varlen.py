@@ -41,14 +41,23 @@ non-negative slot and at least one token this step, so vLLM's padded requests (n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from qwen38_plugin.ops import triton_dispatch
 from qwen38_plugin.ops.common import rms_norm, write_slots_
 from qwen38_plugin.ops.ple import gated_values
+from qwen38_plugin.ops.triton_dispatch import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+REFERENCE_ENV = "QWEN38_PLE_REFERENCE"
 
 
 def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -248,11 +257,12 @@ def ple_mix_varlen(
             f"ple_mix_varlen: conv_state_cache {tuple(conv_state_cache.shape)} has slots "
             f"{tuple(conv_state_cache.shape[1:])}, expected (hc * H, (K - 1) * n) = {(width, span)}"
         )
-    gated = gated_values(streams, key, value, norm_key, norm_query, hc_count=hc_count, eps=eps)
+    gated, conv_inputs = gated_conv_inputs(
+        streams, key, value, norm_key, norm_query, norm_conv, hc_count=hc_count, eps=eps, conv_dtype=conv_weight.dtype
+    )
     if num_tokens == 0 or num_requests == 0:
         return torch.zeros_like(gated)
     step = _step_index(token_req, query_start, state_indices, has_initial_state)
-    conv_inputs = rms_norm(gated, norm_conv, eps, group_size=width // hc_count).to(conv_weight.dtype)
     positions = torch.arange(num_tokens, device=streams.device)
 
     # The requests' states as rows: row r * span + j is the input span - j steps before request
@@ -292,3 +302,116 @@ def ple_mix_varlen(
     else:
         write_per_position_(conv_state_cache, write_indices, step, new_state)
     return term
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-token part of the mix: gate and conv input of every (token, stream) in one kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def gated_conv_inputs_torch(
+    streams: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    norm_key: torch.Tensor,
+    norm_query: torch.Tensor,
+    norm_conv: torch.Tensor,
+    *,
+    hc_count: int,
+    eps: float,
+    conv_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gated = gated_values(streams, key, value, norm_key, norm_query, hc_count=hc_count, eps=eps)
+    return gated, rms_norm(gated, norm_conv, eps, group_size=streams.shape[-1] // hc_count).to(conv_dtype)
+
+
+def gated_conv_inputs(
+    streams: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    norm_key: torch.Tensor,
+    norm_query: torch.Tensor,
+    norm_conv: torch.Tensor,
+    *,
+    hc_count: int,
+    eps: float,
+    conv_dtype: torch.dtype,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gated values ``[N, hc * H]`` in the dtype of key and value, the conv inputs: their
+    per-stream RMSNorm in ``conv_dtype``): `ple.gated_values` and the norm of `ple_mix_varlen`.
+
+    On CUDA one Triton kernel (about thirty torch kernels otherwise), rounding wherever the
+    reference rounds; ``QWEN38_PLE_REFERENCE=1`` keeps the reference."""
+    if not triton_dispatch.use_triton(streams.is_cuda, backend, reference_env=REFERENCE_ENV, op="ple"):
+        return gated_conv_inputs_torch(
+            streams, key, value, norm_key, norm_query, norm_conv, hc_count=hc_count, eps=eps, conv_dtype=conv_dtype
+        )
+    tokens, width = streams.shape
+    hidden = width // hc_count
+    dtype = torch.promote_types(key.dtype, value.dtype)
+    gated = torch.empty(tokens, width, dtype=dtype, device=streams.device)
+    conv_inputs = torch.empty(tokens, width, dtype=conv_dtype, device=streams.device)
+    if tokens:
+        for name, x in (("streams", streams), ("key", key), ("value", value)):
+            if x.stride(-1) != 1:
+                raise ValueError(f"gated_conv_inputs: {name} must be contiguous in its last dimension")
+        _gated_conv_inputs_kernel[(tokens, hc_count)](
+            streams, key, value, norm_key, norm_query, norm_conv, gated, conv_inputs,
+            streams.stride(0), key.stride(0), value.stride(0), width, hidden, eps, 1.0 / math.sqrt(hidden),
+            BLOCK_H=triton.next_power_of_2(hidden),
+        )  # fmt: skip
+    return gated, conv_inputs
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _gated_conv_inputs_kernel(  # type: ignore[no-untyped-def]
+        streams_ptr,
+        key_ptr,
+        value_ptr,
+        norm_key_ptr,
+        norm_query_ptr,
+        norm_conv_ptr,
+        gated_ptr,
+        conv_ptr,
+        stride_streams,
+        stride_key,
+        stride_value,
+        width,
+        hidden,
+        eps,
+        inv_sqrt_hidden,
+        BLOCK_H: tl.constexpr,
+    ):
+        # One program per (token, stream). Every intermediate is rounded to the model dtype
+        # where `ple.gated_values` rounds it (the norms, the products, the score and its
+        # signed square root, the gate), so only the sums' order differs from the reference.
+        token = tl.program_id(0)
+        stream = tl.program_id(1)
+        cols = tl.arange(0, BLOCK_H)
+        ok = cols < hidden
+        feature = stream * hidden + cols
+        key = tl.load(key_ptr + token * stride_key + feature, mask=ok, other=0.0)
+        dtype = key.dtype
+        kf = key.to(tl.float32)
+        qf = tl.load(streams_ptr + token * stride_streams + feature, mask=ok, other=0.0).to(tl.float32)
+        wk = tl.load(norm_key_ptr + feature, mask=ok, other=0.0).to(tl.float32)
+        wq = tl.load(norm_query_ptr + feature, mask=ok, other=0.0).to(tl.float32)
+        kn = (kf * (1.0 / tl.sqrt(tl.sum(kf * kf, axis=0) / hidden + eps)) * (1.0 + wk)).to(dtype).to(tl.float32)
+        qn = (qf * (1.0 / tl.sqrt(tl.sum(qf * qf, axis=0) / hidden + eps)) * (1.0 + wq)).to(dtype).to(tl.float32)
+        score = tl.sum((kn * qn).to(dtype).to(tl.float32), axis=0).to(dtype).to(tl.float32)
+        score = (score * inv_sqrt_hidden).to(dtype).to(tl.float32)
+        magnitude = tl.maximum(tl.abs(score), 1e-6).to(dtype).to(tl.float32)
+        root = tl.sqrt(magnitude).to(dtype).to(tl.float32)
+        sign = tl.where(score > 0, 1.0, tl.where(score < 0, -1.0, 0.0))
+        signed = (root * sign).to(dtype).to(tl.float32)
+        gate = (1.0 / (1.0 + tl.exp(-signed))).to(dtype).to(tl.float32)
+        value = tl.load(value_ptr + token * stride_value + cols, mask=ok, other=0.0).to(tl.float32)
+        gated = (gate * value).to(dtype)
+        tl.store(gated_ptr + token * width + feature, gated, mask=ok)
+        gf = gated.to(tl.float32)
+        wc = tl.load(norm_conv_ptr + feature, mask=ok, other=0.0).to(tl.float32)
+        conv = (gf * (1.0 / tl.sqrt(tl.sum(gf * gf, axis=0) / hidden + eps)) * (1.0 + wc)).to(dtype)
+        tl.store(conv_ptr + token * width + feature, conv.to(conv_ptr.dtype.element_ty), mask=ok)
