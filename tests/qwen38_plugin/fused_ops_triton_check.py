@@ -176,6 +176,58 @@ def check_ple_gated_conv_inputs() -> str:
     return f"{cases} cases, worst rel err {worst:.2e}"
 
 
+def check_ple_conv_term() -> str:
+    """PLE's conv and state update (`ple_mix_varlen` with ``query_start_loc``: two kernels on
+    CUDA) against its torch ops: the term and every slot of the conv-state cache afterwards, over
+    steps mixing prefill chunks and decodes, fresh requests (their slots hold NaN garbage, which
+    must not leak), a request without a slot and padding rows."""
+    hidden, hc_count, kernel, ngram = 16, 4, 4, 3
+    width, span, slots = hidden * hc_count, (kernel - 1) * ngram, 9
+    worst = 0.0
+    cases = 0
+    # (tokens, slot, continues) per request, trailing padding rows
+    steps = [
+        ([(1, 3, True)], 0),
+        ([(1, 3, True), (1, 5, True), (1, 0, True)], 2),
+        ([(7, 2, False), (1, 4, True), (12, 6, True), (2, -1, True), (0, 7, True)], 3),
+        ([(20, 1, False)], 0),
+    ]
+    for dtype in DTYPES:
+        for entries, trailing in steps:
+            counts = torch.tensor([e[0] for e in entries])
+            qsl = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
+            num_tokens = int(counts.sum()) + trailing
+            token_req = torch.full((num_tokens,), -1, dtype=torch.int32)
+            for r, (n, _, _) in enumerate(entries):
+                token_req[int(qsl[r]) : int(qsl[r]) + n] = r
+            state_indices = torch.tensor([e[1] for e in entries], dtype=torch.int32)
+            has_initial = torch.tensor([e[2] for e in entries])
+            streams, key = randn(num_tokens, width, dtype=dtype), randn(num_tokens, width, dtype=dtype)
+            value = randn(num_tokens, hidden, dtype=dtype)
+            norms = [randn(width, scale=0.1, dtype=dtype) for _ in range(3)]
+            weight = randn(width, kernel, scale=0.5, dtype=dtype)
+            buffer = randn(slots, width * span + 3, dtype=dtype)
+            for e in entries:
+                if not e[2] and e[1] >= 0:
+                    buffer[e[1]] = float("nan")  # a fresh request's slot: garbage
+            results = []
+            for backend in ("torch", "triton"):
+                cache_buffer = buffer.clone()
+                cache = cache_buffer[:, 1 : 1 + width * span].view(slots, width, span)  # strided, as vLLM binds it
+                term = ple_varlen.ple_mix_varlen(
+                    streams, key, value, *norms, weight, cache, token_req.to(DEVICE), qsl[:-1].to(DEVICE),
+                    state_indices.to(DEVICE), has_initial.to(DEVICE), hc_count=hc_count, ngram_size=ngram, eps=1e-6,
+                    query_start_loc=qsl.to(DEVICE), backend=backend,
+                )  # fmt: skip
+                results.append((term, cache_buffer))
+            (ref_term, ref_cache), (term, cache) = results
+            assert torch.equal(ref_cache.isnan(), cache.isnan()), "the state slots written differ"
+            err = max(rel(term, ref_term), rel(cache.nan_to_num(), ref_cache.nan_to_num()))
+            assert err <= 2 * TOLERANCE[dtype], f"{entries}, {dtype}: rel err {err:.2e}"
+            worst, cases = max(worst, err), cases + 1
+    return f"{cases} cases, worst rel err {worst:.2e}"
+
+
 def check_imports_without_vllm() -> str:
     assert "vllm" not in sys.modules, "importing the ops imported vllm"
     return "no vllm in sys.modules"
@@ -187,6 +239,7 @@ CHECKS: dict[str, Callable[[], str]] = {
     "hc_mixer_end_to_end": check_mixer_end_to_end,
     "rms_norm_rope": check_rms_norm_rope,
     "ple_gated_conv_inputs": check_ple_gated_conv_inputs,
+    "ple_conv_term": check_ple_conv_term,
     "imports_without_vllm": check_imports_without_vllm,
 }
 

@@ -1,5 +1,6 @@
 """The served model's fused ops: the hyper-connection mixer in two steps (`hyper_connection.hc_norm`,
-`hc_mix_normed`: three kernels) and per-head RMSNorm + partial RoPE (`norm_rope.rms_norm_rope`).
+`hc_mix_normed`: three kernels), PLE's gate and conv (`ple_varlen.gated_conv_inputs`, the conv and
+state update of `ple_mix_varlen`) and per-head RMSNorm + partial RoPE (`norm_rope.rms_norm_rope`).
 
 - their torch paths (CPU) compose to exactly the reference mixer and injection;
 - the Triton kernels match the torch paths (fused_ops_triton_check.py, in a subprocess: under
@@ -102,6 +103,7 @@ def kernel_report() -> dict[str, str]:
         "hc_mixer_end_to_end",
         "rms_norm_rope",
         "ple_gated_conv_inputs",
+        "ple_conv_term",
         "imports_without_vllm",
     ],
 )
@@ -130,6 +132,14 @@ def _cases(dtype: str) -> dict[str, tuple[Any, dict[str, str], tuple[str, ...], 
                                   dict.fromkeys(["streams_ptr", "key_ptr", "value_ptr", "norm_key_ptr",
                                                  "norm_query_ptr", "norm_conv_ptr", "gated_ptr", "conv_ptr"], p),
                                   ("eps", "inv_sqrt_hidden"), {"BLOCK_H": 2048}),
+        "ple_conv_term": (ple_varlen._conv_term_kernel,
+                          {**dict.fromkeys(["gated_ptr", "conv_in_ptr", "weight_ptr", "state_ptr", "term_ptr"], p),
+                           "token_req_ptr": "*i32", "qsl_ptr": "*i32", "state_indices_ptr": "*i32",
+                           "continues_ptr": "*i1"}, (), {"KERNEL": 4, "HAS_INITIAL": True, "BLOCK_C": 128}),
+        "ple_conv_state": (ple_varlen._conv_state_kernel,
+                           {**dict.fromkeys(["conv_in_ptr", "state_ptr"], p), "qsl_ptr": "*i32",
+                            "state_indices_ptr": "*i32", "continues_ptr": "*i1"}, (),
+                           {"HAS_INITIAL": True, "BLOCK_C": 128, "BLOCK_S": 16}),
         "rms_norm_rope": (norm_rope._rms_norm_rope_kernel, dict.fromkeys(["x_ptr", "weight_ptr", "cos_ptr", "sin_ptr",
                                                                           "out_ptr"], p), ("eps",),
                           {"BLOCK_D": 256}),

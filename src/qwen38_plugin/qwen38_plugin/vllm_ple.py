@@ -310,6 +310,7 @@ class PortablePLE(nn.Module):
                 self.norm_conv.weight, self.conv1d.weight.squeeze(1), step.conv_cache,
                 step.token_req(part_streams.shape[0]), step.query_start, step.state_indices, step.has_initial_state,
                 hc_count=self.hc_count, ngram_size=self.ngram_size, eps=self.eps, write_indices=step.write_indices,
+                query_start_loc=step.query_start_loc,
             )  # fmt: skip
             step.put(term, mixed)
 

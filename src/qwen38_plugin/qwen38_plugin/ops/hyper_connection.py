@@ -199,12 +199,13 @@ def hc_mix_normed(
         inject_weight.stride(0) if inject_weight is not None else 0, columns,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=fp32,
     )  # fmt: skip
-    block_h = 32 if tokens <= 16 else 64
-    _hc_gate_mix_kernel[(t_blocks, triton.cdiv(hidden, block_h))](
+    # decode-sized steps: small tiles, so that about a hundred programs share the up weight's reads
+    gate_t, block_h = (16, 32) if tokens <= 256 else (32, 64)
+    _hc_gate_mix_kernel[(triton.cdiv(tokens, gate_t), triton.cdiv(hidden, block_h))](
         normed, partials, up_weight, mixed, injection if injection is not None else mixed,
         tokens, hidden, rank, splits, columns, normed.stride(0), up_weight.stride(0), mixed.stride(0),
         injection.stride(0) if injection is not None else 0,
-        INJECT=inject_weight is not None, HC=hc_count, BLOCK_T=block_t, BLOCK_H=block_h,
+        INJECT=inject_weight is not None, HC=hc_count, BLOCK_T=gate_t, BLOCK_H=block_h,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_HC=max(2, triton.next_power_of_2(hc_count)),
         FP32_DOT=fp32,
     )  # fmt: skip

@@ -33,6 +33,11 @@ synchronisation, no shape that depends on values, no Python loop over requests o
 loops run over the n-gram orders and the conv taps, both fixed by the config). That lets the ops
 run inside vLLM's CUDA-graph-captured decode steps and on CPU alike.
 
+On CUDA the per-token part of stage 4 (`gated_conv_inputs`: both norms, the signed-sqrt gate,
+the conv input's norm) is one Triton kernel, and without speculative verify rows the conv and
+the state update are two more (`conv_term_triton`); each is checked against the torch ops here,
+which stay the CPU path and the reference (``QWEN38_PLE_REFERENCE=1`` keeps them on CUDA).
+
 Padding: a token with ``token_req = -1``, or of a request whose slot is negative (vLLM's
 PAD_SLOT_ID), gets zero rows and a zero term. A slot is written only for a request with a
 non-negative slot and at least one token this step, so vLLM's padded requests (no tokens, slot
@@ -234,6 +239,8 @@ def ple_mix_varlen(
     ngram_size: int,
     eps: float,
     write_indices: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The PLE term of every token of a step (to add to the streams); moves the conv states on.
 
@@ -246,7 +253,10 @@ def ple_mix_varlen(
     depthwise conv of kernel K and dilation n continuing from the request's conv state (zeros
     for a fresh request). Each written slot's conv state becomes the last (K - 1) * n conv inputs.
     ``write_indices``: as in `ngram_rows_varlen` (the conv state after each verified token j goes
-    to ``write_indices[r, j]``).
+    to ``write_indices[r, j]``). ``query_start_loc``: ``query_start`` with the end appended
+    (``[R + 1]``); given, and without ``write_indices``, CUDA runs the conv and the state update as
+    two Triton kernels (`conv_term_triton`; ``QWEN38_PLE_REFERENCE=1`` or ``backend="torch"``
+    keep the torch ops).
     """
     num_tokens, width = streams.shape
     num_requests = query_start.shape[0]
@@ -258,12 +268,47 @@ def ple_mix_varlen(
             f"{tuple(conv_state_cache.shape[1:])}, expected (hc * H, (K - 1) * n) = {(width, span)}"
         )
     gated, conv_inputs = gated_conv_inputs(
-        streams, key, value, norm_key, norm_query, norm_conv, hc_count=hc_count, eps=eps, conv_dtype=conv_weight.dtype
-    )
+        streams, key, value, norm_key, norm_query, norm_conv, hc_count=hc_count, eps=eps,
+        conv_dtype=conv_weight.dtype, backend=backend,
+    )  # fmt: skip
     if num_tokens == 0 or num_requests == 0:
         return torch.zeros_like(gated)
+    if (
+        write_indices is None
+        and query_start_loc is not None
+        and triton_dispatch.use_triton(streams.is_cuda, backend, reference_env=REFERENCE_ENV, op="ple")
+    ):
+        return conv_term_triton(
+            gated, conv_inputs, conv_weight, conv_state_cache, token_req, query_start_loc, state_indices,
+            has_initial_state, ngram_size=ngram_size,
+        )  # fmt: skip
+    return conv_term_torch(
+        gated, conv_inputs, conv_weight, conv_state_cache, token_req, query_start, state_indices, has_initial_state,
+        ngram_size=ngram_size, write_indices=write_indices,
+    )  # fmt: skip
+
+
+def conv_term_torch(
+    gated: torch.Tensor,
+    conv_inputs: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state_cache: torch.Tensor,
+    token_req: torch.Tensor,
+    query_start: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    *,
+    ngram_size: int,
+    write_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`ple_mix_varlen` after the gate: the dilated causal conv over the conv inputs continuing
+    from each request's state, the term ``gated + silu(conv)``, and the states moved on."""
+    num_tokens, width = gated.shape
+    num_requests = query_start.shape[0]
+    kernel = conv_weight.shape[-1]
+    span = (kernel - 1) * ngram_size
     step = _step_index(token_req, query_start, state_indices, has_initial_state)
-    positions = torch.arange(num_tokens, device=streams.device)
+    positions = torch.arange(num_tokens, device=gated.device)
 
     # The requests' states as rows: row r * span + j is the input span - j steps before request
     # r's first token. A fresh request's slot holds garbage (possibly NaN): select, not multiply.
@@ -273,7 +318,7 @@ def ple_mix_varlen(
 
     # The conv as a sum over its K taps, tap k reaching (K - 1 - k) * n inputs back. Accumulated
     # in fp32 and rounded once to the weight dtype, as F.conv1d does in the reference.
-    acc = torch.zeros(num_tokens, width, dtype=torch.float32, device=streams.device)
+    acc = torch.zeros(num_tokens, width, dtype=torch.float32, device=gated.device)
     for tap in range(kernel):
         back = (kernel - 1 - tap) * ngram_size
         if back == 0:
@@ -289,8 +334,8 @@ def ple_mix_varlen(
     def new_state(count: torch.Tensor) -> torch.Tensor:
         # The state after `count [R]` tokens: entries [c, c + span) of [state | the c new inputs],
         # as [R, hc * H, span].
-        history = count[:, None] + torch.arange(span, device=streams.device)  # [R, span]
-        own_rows = torch.arange(num_requests, device=streams.device)[:, None] * span
+        history = count[:, None] + torch.arange(span, device=gated.device)  # [R, span]
+        own_rows = torch.arange(num_requests, device=gated.device)[:, None] * span
         from_state = state_rows.index_select(0, (own_rows + history.clamp_max(span - 1)).flatten())
         token_rows = (query_start.long()[:, None] + history - span).clamp(0, num_tokens - 1)
         from_step = conv_inputs.index_select(0, token_rows.flatten())
@@ -415,3 +460,145 @@ if HAVE_TRITON:
         wc = tl.load(norm_conv_ptr + feature, mask=ok, other=0.0).to(tl.float32)
         conv = (gf * (1.0 / tl.sqrt(tl.sum(gf * gf, axis=0) / hidden + eps)) * (1.0 + wc)).to(dtype)
         tl.store(conv_ptr + token * width + feature, conv.to(conv_ptr.dtype.element_ty), mask=ok)
+
+
+def conv_term_triton(
+    gated: torch.Tensor,
+    conv_inputs: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state_cache: torch.Tensor,
+    token_req: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    *,
+    ngram_size: int,
+) -> torch.Tensor:
+    """`conv_term_torch` without speculative verify rows, in two kernels: the term of every
+    (token, channel block), reading the states before they move, then each written slot's new
+    state. ``query_start_loc``: ``[R + 1]`` (each request's token count is the difference). The
+    same values as the reference up to the fp32 sum of the taps (CUDA may fuse a tap's product
+    into the sum)."""
+    num_tokens, width = gated.shape
+    num_requests = query_start_loc.shape[0] - 1
+    kernel = conv_weight.shape[-1]
+    span = (kernel - 1) * ngram_size
+    if conv_inputs.stride(0) != width or gated.stride(0) != width:
+        raise ValueError("conv_term_triton: gated and conv_inputs must be contiguous [N, hc * H]")
+    term = torch.empty_like(gated)
+    continues = has_initial_state if has_initial_state is not None else state_indices  # unread when None
+    block_c = 128
+    strides = (conv_state_cache.stride(0), conv_state_cache.stride(1), conv_state_cache.stride(2))
+    if num_tokens:
+        _conv_term_kernel[(num_tokens, triton.cdiv(width, block_c))](
+            gated, conv_inputs, conv_weight, conv_state_cache, term, token_req, query_start_loc, state_indices,
+            continues, width, span, ngram_size, *strides, conv_weight.stride(0), conv_weight.stride(1),
+            KERNEL=kernel, HAS_INITIAL=has_initial_state is not None, BLOCK_C=block_c,
+        )  # fmt: skip
+    if num_requests:
+        _conv_state_kernel[(num_requests, triton.cdiv(width, block_c))](
+            conv_inputs, conv_state_cache, query_start_loc, state_indices, continues, width, span, *strides,
+            HAS_INITIAL=has_initial_state is not None, BLOCK_C=block_c, BLOCK_S=triton.next_power_of_2(span),
+        )  # fmt: skip
+    return term
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _conv_term_kernel(  # type: ignore[no-untyped-def]
+        gated_ptr,
+        conv_in_ptr,
+        weight_ptr,
+        state_ptr,
+        term_ptr,
+        token_req_ptr,
+        qsl_ptr,
+        state_indices_ptr,
+        continues_ptr,
+        width,
+        span,
+        dilation,
+        stride_state_slot,
+        stride_state_channel,
+        stride_state_pos,
+        stride_weight_channel,
+        stride_weight_tap,
+        KERNEL: tl.constexpr,
+        HAS_INITIAL: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        # One program per (token, channel block): tap k reaches (K - 1 - k) * dilation inputs
+        # back, into this step's conv inputs or, before the request's first token, its state
+        # (zeros for a fresh request). Padding tokens and requests without a slot get zeros.
+        token = tl.program_id(0)
+        cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = cs < width
+        req = tl.load(token_req_ptr + token)
+        r = tl.maximum(req, 0)
+        slot = tl.load(state_indices_ptr + r)
+        is_token = (req >= 0) & (slot >= 0)
+        offset = token - tl.load(qsl_ptr + r)
+        reads_state = is_token
+        if HAS_INITIAL:
+            reads_state = reads_state & (tl.load(continues_ptr + r) != 0)
+        slot_row = state_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_state_slot
+        acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for tap in tl.static_range(KERNEL):
+            back = (KERNEL - 1 - tap) * dilation
+            in_step = offset >= back
+            from_step = tl.load(conv_in_ptr + (token - back) * width + cs, mask=ok & in_step, other=0.0)
+            from_state = tl.load(
+                slot_row + cs * stride_state_channel + (span - back + offset) * stride_state_pos,
+                mask=ok & (offset < back) & reads_state,
+                other=0.0,
+            ).to(conv_in_ptr.dtype.element_ty)
+            x = tl.where(in_step, from_step, from_state).to(tl.float32)
+            w = tl.load(weight_ptr + cs * stride_weight_channel + tap * stride_weight_tap, mask=ok, other=0.0)
+            acc += x * w.to(tl.float32)
+        wdtype = weight_ptr.dtype.element_ty
+        conv = acc.to(wdtype).to(tl.float32)
+        conv = (conv / (1.0 + tl.exp(-conv))).to(wdtype)  # silu, rounded to the conv dtype
+        gated = tl.load(gated_ptr + token * width + cs, mask=ok, other=0.0)
+        dtype = gated.dtype
+        term = (gated.to(tl.float32) + conv.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(term_ptr + token * width + cs, tl.where(is_token, term, 0.0).to(dtype), mask=ok)
+
+    @triton.jit
+    def _conv_state_kernel(  # type: ignore[no-untyped-def]
+        conv_in_ptr,
+        state_ptr,
+        qsl_ptr,
+        state_indices_ptr,
+        continues_ptr,
+        width,
+        span,
+        stride_state_slot,
+        stride_state_channel,
+        stride_state_pos,
+        HAS_INITIAL: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):
+        # One program per (request, channel block): after its c new tokens the state is entries
+        # [c, c + span) of [old state | the c new conv inputs]. The old entries are all read
+        # before any is written (the barrier), since the slot is updated in place.
+        r = tl.program_id(0)
+        slot = tl.load(state_indices_ptr + r)
+        first = tl.load(qsl_ptr + r)
+        count = tl.load(qsl_ptr + r + 1) - first
+        if (slot >= 0) & (count > 0):
+            cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+            js = tl.arange(0, BLOCK_S)
+            ok = (cs < width)[:, None] & (js < span)[None, :]
+            history = count + js[None, :]
+            keeps_old = history < span
+            keeps_old_read = keeps_old & (tl.load(continues_ptr + r) != 0) if HAS_INITIAL else keeps_old
+            row = state_ptr + slot.to(tl.int64) * stride_state_slot + cs[:, None] * stride_state_channel
+            old = tl.load(row + history * stride_state_pos, mask=ok & keeps_old_read, other=0.0)
+            new = tl.load(
+                conv_in_ptr + (first + history - span) * width + cs[:, None], mask=ok & (history >= span), other=0.0
+            )
+            value = tl.where(keeps_old, old.to(conv_in_ptr.dtype.element_ty), new)
+            tl.debug_barrier()
+            tl.store(row + js[None, :] * stride_state_pos, value.to(state_ptr.dtype.element_ty), mask=ok)
