@@ -228,6 +228,52 @@ def check_ple_conv_term() -> str:
     return f"{cases} cases, worst rel err {worst:.2e}"
 
 
+def check_ple_ngram_rows() -> str:
+    """PLE's n-gram rows and context update (`ngram_rows_varlen` with ``query_start_loc``: two
+    kernels on CUDA) against its torch ops: every row and every context slot afterwards, equal
+    bit for bit (int64 hashes that wrap), with EOS tokens in the step and in the contexts."""
+    ngram, heads_per_ngram, eos, slots = 4, 3, 7, 9
+    gen = torch.Generator().manual_seed(17)
+    multipliers = torch.randint(-(2**62), 2**62, (ngram,), generator=gen)
+    sizes = torch.randint(50, 1000, ((ngram - 1) * heads_per_ngram,), generator=gen)
+    offsets = sizes.cumsum(0) - sizes
+    cases = 0
+    steps = [
+        ([(1, 3, True)], 0),
+        ([(1, 3, True), (1, 5, True), (1, 0, True)], 2),
+        ([(7, 2, False), (1, 4, True), (12, 6, True), (2, -1, True), (0, 7, True)], 3),
+        ([(2, 1, True)], 0),
+    ]
+    for entries, trailing in steps:
+        for has_initial_given in (True, False):
+            counts = torch.tensor([e[0] for e in entries])
+            qsl = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
+            num_tokens = int(counts.sum()) + trailing
+            token_req = torch.full((num_tokens,), -1, dtype=torch.int32)
+            for r, (n, _, _) in enumerate(entries):
+                token_req[int(qsl[r]) : int(qsl[r]) + n] = r
+            ids = torch.randint(0, 12, (num_tokens,), generator=gen)  # small ids: EOS (7) comes up often
+            buffer = torch.randint(0, 12, (slots, ngram + 2), generator=gen)
+            state_indices = torch.tensor([e[1] for e in entries], dtype=torch.int32)
+            has_initial = torch.tensor([e[2] for e in entries]) if has_initial_given else None
+            results = []
+            for backend in ("torch", "triton"):
+                context_buffer = buffer.clone().to(DEVICE)
+                context = context_buffer[:, 1:ngram]  # strided, as vLLM binds it
+                rows = ple_varlen.ngram_rows_varlen(
+                    ids.to(DEVICE), token_req.to(DEVICE), qsl[:-1].to(DEVICE), context, state_indices.to(DEVICE),
+                    None if has_initial is None else has_initial.to(DEVICE), multipliers.to(DEVICE),
+                    sizes.to(DEVICE), offsets.to(DEVICE), heads_per_ngram=heads_per_ngram, eos_token_id=eos,
+                    query_start_loc=qsl.to(DEVICE), backend=backend,
+                )  # fmt: skip
+                results.append((rows, context_buffer))
+            (ref_rows, ref_context), (rows, context) = results
+            assert torch.equal(rows, ref_rows), f"{entries}: rows differ"
+            assert torch.equal(context, ref_context), f"{entries}: contexts differ"
+            cases += 1
+    return f"{cases} cases equal"
+
+
 def check_imports_without_vllm() -> str:
     assert "vllm" not in sys.modules, "importing the ops imported vllm"
     return "no vllm in sys.modules"
@@ -240,6 +286,7 @@ CHECKS: dict[str, Callable[[], str]] = {
     "rms_norm_rope": check_rms_norm_rope,
     "ple_gated_conv_inputs": check_ple_gated_conv_inputs,
     "ple_conv_term": check_ple_conv_term,
+    "ple_ngram_rows": check_ple_ngram_rows,
     "imports_without_vllm": check_imports_without_vllm,
 }
 

@@ -293,6 +293,7 @@ class PortablePLE(nn.Module):
                 ids, step.token_req(ids.shape[0]), step.query_start, step.context_cache, step.state_indices,
                 step.has_initial_state, emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets,
                 heads_per_ngram=self.heads_per_ngram, eos_token_id=self.eos, write_indices=step.write_indices,
+                query_start_loc=step.query_start_loc,
             )  # fmt: skip
             step.put(embedded, emb.lookup(rows).flatten(-2))
 

@@ -156,6 +156,8 @@ def ngram_rows_varlen(
     heads_per_ngram: int,
     eos_token_id: int,
     write_indices: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Embedding-table rows of every (token, n-gram head) of a step; moves the n-gram contexts on.
 
@@ -172,12 +174,23 @@ def ngram_rows_varlen(
     ``write_indices`` ``[R, P]`` int (speculative verify rows, vLLM's ``spec_state_indices_tensor``):
     read each request's context from ``state_indices`` (the slot of the last kept token) and write
     the context after its token j into ``write_indices[r, j]`` (`write_per_position_`).
+    ``query_start_loc``: ``query_start`` with the end appended (``[R + 1]``); given, and without
+    ``write_indices``, CUDA runs two Triton kernels (`ngram_rows_triton`).
     """
     ngram_size = multipliers.shape[0]
     if ngram_size < 2:
         raise ValueError(f"ngram_rows_varlen: ngram_size {ngram_size}; PLE hashes n-grams of orders 2..n, n >= 2")
     context_len = ngram_size - 1
     num_tokens, num_requests = token_ids.shape[0], query_start.shape[0]
+    if (
+        write_indices is None
+        and query_start_loc is not None
+        and triton_dispatch.use_triton(token_ids.is_cuda, backend, reference_env=REFERENCE_ENV, op="ple")
+    ):
+        return ngram_rows_triton(
+            token_ids, token_req, query_start_loc, context_cache, state_indices, has_initial_state, multipliers,
+            head_vocab_sizes, head_offsets, heads_per_ngram=heads_per_ngram, eos_token_id=eos_token_id,
+        )  # fmt: skip
     rows = torch.zeros(num_tokens, head_vocab_sizes.shape[0], dtype=torch.long, device=token_ids.device)
     if num_tokens == 0 or num_requests == 0:
         return rows
@@ -602,3 +615,134 @@ if HAVE_TRITON:
             value = tl.where(keeps_old, old.to(conv_in_ptr.dtype.element_ty), new)
             tl.debug_barrier()
             tl.store(row + js[None, :] * stride_state_pos, value.to(state_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# The n-gram rows and the context update in two kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def ngram_rows_triton(
+    token_ids: torch.Tensor,
+    token_req: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_cache: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    multipliers: torch.Tensor,
+    head_vocab_sizes: torch.Tensor,
+    head_offsets: torch.Tensor,
+    *,
+    heads_per_ngram: int,
+    eos_token_id: int,
+) -> torch.Tensor:
+    """`ngram_rows_varlen` without speculative verify rows: the rows of every token (reading the
+    contexts before they move), then each written slot's new context. The same int64 arithmetic
+    (wrapping products, xor, a non-negative remainder), so the same rows bit for bit."""
+    num_tokens = token_ids.shape[0]
+    num_requests = query_start_loc.shape[0] - 1
+    ngram_size = multipliers.shape[0]
+    heads = head_vocab_sizes.shape[0]
+    rows = torch.empty(num_tokens, heads, dtype=torch.long, device=token_ids.device)
+    continues = has_initial_state if has_initial_state is not None else state_indices  # unread when None
+    common = (context_cache, state_indices, continues, context_cache.stride(0), context_cache.stride(1))
+    if num_tokens:
+        _ngram_rows_kernel[(num_tokens,)](
+            token_ids, token_req, query_start_loc, *common, multipliers, head_vocab_sizes, head_offsets, rows,
+            eos_token_id, NGRAM=ngram_size, HEADS_PER_NGRAM=heads_per_ngram, HAS_INITIAL=has_initial_state is not None,
+            BLOCK_HEADS=triton.next_power_of_2(heads_per_ngram),
+        )  # fmt: skip
+    if num_requests:
+        _ngram_context_kernel[(num_requests,)](
+            token_ids, query_start_loc, *common, eos_token_id, CONTEXT=ngram_size - 1,
+            HAS_INITIAL=has_initial_state is not None, BLOCK=triton.next_power_of_2(ngram_size - 1),
+        )  # fmt: skip
+    return rows
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _ngram_rows_kernel(  # type: ignore[no-untyped-def]
+        ids_ptr,
+        token_req_ptr,
+        qsl_ptr,
+        context_ptr,
+        state_indices_ptr,
+        continues_ptr,
+        stride_context_slot,
+        stride_context_pos,
+        multipliers_ptr,
+        sizes_ptr,
+        offsets_ptr,
+        rows_ptr,
+        eos,
+        NGRAM: tl.constexpr,
+        HEADS_PER_NGRAM: tl.constexpr,
+        HAS_INITIAL: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+    ):
+        # One program per token: the hash of the n-grams ending at it, nearest earlier token
+        # first; a token before the latest EOS reads as EOS; earlier tokens come from this step
+        # or, before the request's first token, from its context (all EOS for a fresh request).
+        token = tl.program_id(0)
+        req = tl.load(token_req_ptr + token)
+        r = tl.maximum(req, 0)
+        slot = tl.load(state_indices_ptr + r)
+        is_token = (req >= 0) & (slot >= 0)
+        offset = token - tl.load(qsl_ptr + r)
+        reads_context = tl.load(continues_ptr + r) != 0 if HAS_INITIAL else True
+        context_row = context_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_context_slot
+        hs = tl.arange(0, BLOCK_HEADS)
+        hs_ok = hs < HEADS_PER_NGRAM
+        mixed = tl.load(ids_ptr + token).to(tl.int64) * tl.load(multipliers_ptr)
+        eos_seen = offset < -(1 << 40)  # False, as a tensor (offsets are small)
+        for shift in tl.static_range(1, NGRAM):
+            from_step = tl.load(ids_ptr + tl.maximum(token - shift, 0)).to(tl.int64)
+            at = tl.minimum(tl.maximum(offset + (NGRAM - 1) - shift, 0), NGRAM - 2)
+            from_context = tl.load(context_row + at * stride_context_pos)
+            from_context = tl.where(reads_context, from_context, eos)
+            earlier = tl.where(offset >= shift, from_step, from_context)
+            eos_seen = eos_seen | (earlier == eos)
+            earlier = tl.where(eos_seen, eos, earlier)
+            mixed = mixed ^ (earlier * tl.load(multipliers_ptr + shift))
+            head = (shift - 1) * HEADS_PER_NGRAM + hs
+            size = tl.load(sizes_ptr + head, mask=hs_ok, other=1)
+            rest = mixed % size
+            rest = tl.where(rest < 0, rest + size, rest)  # torch.remainder: the divisor's sign
+            row = rest + tl.load(offsets_ptr + head, mask=hs_ok, other=0)
+            tl.store(rows_ptr + token * ((NGRAM - 1) * HEADS_PER_NGRAM) + head, tl.where(is_token, row, 0), mask=hs_ok)
+
+    @triton.jit
+    def _ngram_context_kernel(  # type: ignore[no-untyped-def]
+        ids_ptr,
+        qsl_ptr,
+        context_ptr,
+        state_indices_ptr,
+        continues_ptr,
+        stride_context_slot,
+        stride_context_pos,
+        eos,
+        CONTEXT: tl.constexpr,
+        HAS_INITIAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # One program per request: after its c tokens the context is entries [c, c + n - 1) of
+        # [old context | the c new ids]; the old entries are read before any is written.
+        r = tl.program_id(0)
+        slot = tl.load(state_indices_ptr + r)
+        first = tl.load(qsl_ptr + r)
+        count = tl.load(qsl_ptr + r + 1) - first
+        if (slot >= 0) & (count > 0):
+            js = tl.arange(0, BLOCK)
+            ok = js < CONTEXT
+            history = count + js
+            keeps_old = history < CONTEXT
+            row = context_ptr + slot.to(tl.int64) * stride_context_slot
+            old = tl.load(row + history * stride_context_pos, mask=ok & keeps_old, other=0)
+            if HAS_INITIAL:
+                old = tl.where(tl.load(continues_ptr + r) != 0, old, eos)
+            new = tl.load(ids_ptr + first + history - CONTEXT, mask=ok & (history >= CONTEXT), other=0).to(tl.int64)
+            value = tl.where(keeps_old, old, new)
+            tl.debug_barrier()
+            tl.store(row + js * stride_context_pos, value, mask=ok)
