@@ -141,6 +141,7 @@ def hc_norm(
         _hc_norm_kernel[(tokens, hc_count)](
             streams, block, scales, norm_weight, out, normed, streams.stride(0), block.stride(0), scales.stride(0),
             hidden, eps, INJECT=block_output is not None, HC=hc_count, BLOCK_H=triton.next_power_of_2(hidden),
+            enable_fp_fusion=False,  # the injection rounds its product before the sum, as torch does
         )  # fmt: skip
     return out, normed
 
