@@ -204,9 +204,9 @@ def hc_mix_normed(
     gate_t, block_h = (16, 32) if tokens <= 256 else (32, 64)
     _hc_gate_mix_kernel[(triton.cdiv(tokens, gate_t), triton.cdiv(hidden, block_h))](
         normed, partials, up_weight, mixed, injection if injection is not None else mixed,
-        tokens, hidden, rank, splits, columns, normed.stride(0), up_weight.stride(0), mixed.stride(0),
+        tokens, hidden, rank, columns, normed.stride(0), up_weight.stride(0), mixed.stride(0),
         injection.stride(0) if injection is not None else 0,
-        INJECT=inject_weight is not None, HC=hc_count, BLOCK_T=gate_t, BLOCK_H=block_h,
+        INJECT=inject_weight is not None, HC=hc_count, SPLITS=splits, BLOCK_T=gate_t, BLOCK_H=block_h,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_HC=max(2, triton.next_power_of_2(hc_count)),
         FP32_DOT=fp32,
     )  # fmt: skip
@@ -350,7 +350,6 @@ if HAVE_TRITON:
         tokens,
         hidden,
         rank,
-        splits,
         columns,
         stride_normed,
         stride_up_w,
@@ -358,6 +357,7 @@ if HAVE_TRITON:
         stride_injection,
         INJECT: tl.constexpr,
         HC: tl.constexpr,
+        SPLITS: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_R: tl.constexpr,
@@ -374,7 +374,7 @@ if HAVE_TRITON:
         rs = tl.arange(0, BLOCK_R)
         code_ok = row_ok[:, None] & (rs[None, :] < rank)
         code = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        for split in range(0, splits):  # the projection's K splits, in order
+        for split in tl.static_range(SPLITS):  # the projection's K splits, in order (unrolled: loads overlap)
             code += tl.load(partials_ptr + (split * tokens + rows[:, None]) * columns + rs[None, :], mask=code_ok)
         dtype = normed_ptr.dtype.element_ty
         code = code.to(dtype).to(tl.float32)  # the projection's output, rounded once
@@ -408,7 +408,7 @@ if HAVE_TRITON:
                 ss = tl.arange(0, BLOCK_HC)
                 ok = row_ok[:, None] & (ss[None, :] < HC)
                 p = tl.zeros((BLOCK_T, BLOCK_HC), dtype=tl.float32)
-                for split in range(0, splits):
+                for split in tl.static_range(SPLITS):
                     p += tl.load(
                         partials_ptr + (split * tokens + rows[:, None]) * columns + rank + ss[None, :], mask=ok
                     )

@@ -1,0 +1,99 @@
+"""The served model's fused Triton ops against their torch references on a CUDA GPU, and against
+the copy ceiling measured in the same run.
+
+    python benchmarks/qwen38_plugin/bench_fused_ops.py [--hidden 1024] [--tokens 1,64,2048]
+
+For each op (`hyper_connection.hc_norm` with the injection, `hc_mix_normed`, `norm_rope.rms_norm_rope`,
+`ple_varlen.gated_conv_inputs`, `ple_varlen.conv_term_triton` for a step of one-token requests) and
+token count, in fp16: the median time of CUDA-graph replays (benchmarks/sm70_backend/timing.py) of the
+Triton path and of the torch ops it replaces, their ratio, and the fraction of the copy ceiling:
+(bytes the op must read and write) / (copy bandwidth) / (time). At decode sizes the bytes are few and
+the time is a launch or two, so the fraction is small; the ratio to torch is what fusing buys there.
+Prints one table; needs CUDA and Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "sm70_backend"))
+
+from timing import ceilings, median_ms  # noqa: E402
+
+from qwen38_plugin.ops import hyper_connection as hc  # noqa: E402
+from qwen38_plugin.ops import norm_rope, ple_varlen  # noqa: E402
+from qwen38_plugin.ops.common import rotary_cos_sin  # noqa: E402
+
+HC, RANK, HEADS, HEAD_DIM, ROTARY, KERNEL, NGRAM = 4, 64, 8, 128, 64, 4, 3
+
+
+def cases(hidden: int, tokens: int) -> list[tuple[str, Callable[[str], object], float]]:
+    """(name, run(backend), bytes moved) for one token count."""
+    dev, dt, width = "cuda", torch.float16, HC * hidden
+    e = 2  # bytes per fp16 element
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device=dev) * scale).to(dt)
+
+    streams, block, normed = rand(tokens, width), rand(tokens, hidden), rand(tokens, width)
+    injection = torch.rand(tokens, HC, device=dev).to(dt)
+    norm_w, down, up, inject = rand(width, scale=0.1), rand(RANK, width, scale=0.02), rand(width, RANK), rand(HC, width)
+    q = rand(tokens, HEADS, 2 * HEAD_DIM)[..., :HEAD_DIM]
+    q_w = rand(HEAD_DIM, scale=0.1)
+    cos, sin = rotary_cos_sin(torch.arange(tokens, device=dev), ROTARY, 1e6, dt)
+    key, value = rand(tokens, width), rand(tokens, hidden)
+    norms = [rand(width, scale=0.1) for _ in range(3)]
+    span = (KERNEL - 1) * NGRAM
+    conv_w, state = rand(width, KERNEL, scale=0.5), rand(tokens + 1, width, span)
+    qsl = torch.arange(tokens + 1, device=dev, dtype=torch.int32)  # one token per request: a decode step
+    token_req = torch.arange(tokens, device=dev, dtype=torch.int32)
+    slots = torch.arange(1, tokens + 1, device=dev, dtype=torch.int32)
+
+    def conv(backend: str) -> object:
+        return ple_varlen.ple_mix_varlen(
+            streams, key, value, norms[0], norms[1], norms[2], conv_w, state, token_req, qsl[:-1], slots, None,
+            hc_count=HC, ngram_size=NGRAM, eps=1e-6, query_start_loc=qsl, backend=backend,
+        )  # fmt: skip
+
+    return [
+        ("hc_norm + inject", lambda b: hc.hc_norm(streams, norm_w, hc_count=HC, eps=1e-6, block_output=block,
+                                                  injection=injection, backend=b),
+         e * tokens * (3 * width + hidden) + e * width),
+        ("hc_mix_normed", lambda b: hc.hc_mix_normed(normed, down, up, inject, hc_count=HC, backend=b),
+         e * tokens * (width + hidden + HC) + e * (2 * RANK + HC) * width),
+        ("rms_norm_rope (q)", lambda b: norm_rope.rms_norm_rope(q, q_w, cos, sin, 1e-6, backend=b),
+         e * tokens * (2 * HEADS * HEAD_DIM + 2 * ROTARY)),
+        ("ple gate + conv input", lambda b: ple_varlen.gated_conv_inputs(
+            streams, key, value, norms[0], norms[1], norms[2], hc_count=HC, eps=1e-6, conv_dtype=dt, backend=b),
+         e * tokens * (4 * width + hidden) + 3 * e * width),
+        ("ple mix (gate, conv, states)", conv, e * tokens * (4 * width + hidden + 2 * width * span)),
+    ]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--tokens", default="1,64,2048")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fused_ops.py needs a CUDA GPU")
+    bandwidth, _ = ceilings()
+    print(f"{torch.cuda.get_device_name()}, hidden {args.hidden}, hc {HC}, fp16, copy {bandwidth / 1e9:.0f} GB/s")
+    print("| op | tokens | triton us | torch us | torch / triton | of copy ceiling |")
+    print("|---|---|---|---|---|---|")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        for name, run, nbytes in cases(args.hidden, tokens):
+            fast = median_ms(lambda run=run: run("triton")) * 1e3
+            ref = median_ms(lambda run=run: run("torch")) * 1e3
+            print(f"| {name} | {tokens} | {fast:.1f} | {ref:.1f} | {ref / fast:.1f}x | "
+                  f"{nbytes / bandwidth / (fast * 1e-6):.3f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
