@@ -11,7 +11,7 @@ method registered with vLLM apply through ``quant_config``:
 | QSA (`indexed_attention`) | `QKVParallelLinear` / `RowParallelLinear` + `ops.qsa_paged` on paged caches (`vllm_qsa`) |
 | MoE | vLLM's `Qwen3NextSparseMoeBlock` (`FusedMoE` with a gated shared expert) |
 | PLE | vLLM linear layers, the table in host memory, `ops.ple_varlen` (`vllm_ple`) |
-| hyper-connections | `ops.hyper_connection` (small replicated mixers) |
+| hyper-connections | `ops.hyper_connection` (replicated mixers: three Triton kernels each on CUDA) |
 
 States live in vLLM's hybrid cache: a mamba-style slot per `linear_attention` layer (GDN conv
 and recurrent states, plus the PLE states when the model has PLE) with vLLM's GDN metadata, and

@@ -10,8 +10,13 @@ faster paths (kernels) must be tested against them.
 - `qsa`: QSA indexed attention (compressed key blocks, budget, open group, output gate).
 - `qsa_paged`: the same for every token of an engine step over vLLM's paged caches (torch
   references plus Triton kernels; no host syncs, CUDA-graph safe).
-- `hyper_connection`: hyper-connection mixers (grouped norm, low-rank mix, injection).
+- `hyper_connection`: hyper-connection mixers (grouped norm, low-rank mix, injection), and the
+  served model's three-kernel mixer (Triton on CUDA).
+- `norm_rope`: per-head RMSNorm + partial RoPE as one op (Triton on CUDA).
+- `qsa_step_metadata`: a QSA cache group's per-step metadata in one launch (Triton on CUDA).
+- `triton_dispatch`: the one rule that picks an op's Triton path or its torch reference.
 - `ple`: per-layer n-gram embeddings (hashing, gate, dilated conv, their states).
-- `ple_varlen`: PLE of a whole engine step on vLLM's state slots (batched, CUDA-graph safe).
+- `ple_varlen`: PLE of a whole engine step on vLLM's state slots (batched, CUDA-graph safe;
+  Triton kernels for its rows, gate, conv and states on CUDA).
 - `moe`: top-k routed experts with a gated shared expert.
 """
