@@ -7,14 +7,15 @@
 #
 #   a: GPU 1: the kernels' CUDA tests (qwen38 ops, FLASH_ATTN_V100 numerics) then bf16
 #      exactness; GPU 0: fp16 exactness (breakable and compiled CUDA graphs, eager); then TP=2.
-#   b: bench_gpu.py (medium config, fp16, vLLM on GPU 0 against the roofline, a stock Qwen3-MoE of the
-#      same size (the peer) and stock's model, transformers on GPU 1 at the same time).
+#   b: bench_gpu.py (medium config, fp16, vLLM on GPU 0 against the roofline, two stock models of the
+#      same size (the peers: Qwen3-MoE and the hybrid Qwen3-Next), ours without prefix caching and
+#      compiled, and stock's model; transformers on GPU 1 at the same time).
 #   s: the soak (tests/soak: load, preemption, prefix hits, faults) against a server with CUDA graphs.
 #   p: the decode step under torch's profiler, breakable graphs then torch.compile (GPU 0), beside the
 #      decode benchmark in both modes and the peer (GPU 1).
 #   e: after a kernel change: the kernels' CUDA tests and fp16 exactness with graphs (GPU 1); the decode
 #      benchmark beside vLLM's own peer model, then the profile (GPU 0).
-#   c: GPU 1: exactness in vLLM's V1 model runner; meanwhile CSF's kernels, CSF served against its sources at
+#   c: GPU 1: exactness in vLLM's V1 model runner, then fp16 eager in V2; meanwhile CSF's kernels, CSF served against its sources at
 #      TP=1 and TP=2, its load overhead and the Qwen4Exp NVFP4-CSF check (CSF_BUDGET seconds).
 #
 # This checkout's sources come first on PYTHONPATH (the kit's plugin wheels give the entry points).
@@ -57,16 +58,22 @@ a)
     timeout $(lim 130) $q38 "$res/tp2" --only tp2 --runners v2 --dtypes float16 --work $work/q38 >"$res/tp2.log" 2>&1
     ;;
 b)
-    # transformers on GPU 1 while vLLM runs on GPU 0 (bench_gpu.py does that with two GPUs); the peer
-    # right after graphs, so the ours / peer ratio survives a limit that stops the later modes
+    # transformers on GPU 1 while vLLM runs on GPU 0 (bench_gpu.py does that with two GPUs); the peers
+    # right after graphs, so the ours / peer ratios survive a limit that stops the later modes; then
+    # ours without prefix caching (what vLLM's hybrid-state copies cost a step), then torch.compile
     timeout $(lim 560) $q38 "$res/bench" --only bench --work $work/q38 \
-        --bench-args "--modes graphs,peer,compiled,eager" >"$res/bench.log" 2>&1
+        --bench-args "--modes graphs,peer,peer-hybrid,graphs-noprefix,compiled --repeats 2" >"$res/bench.log" 2>&1
     ;;
 c)
     # the V1 runner on GPU 1 while CSF's TP=1 serving runs on GPU 0; then CSF's two-GPU steps
-    CUDA_VISIBLE_DEVICES=1 timeout $(lim 300) $q38 "$res/exact-v1" --only exact --runners v1 --dtypes float16 \
-        --modes graphs,eager --work $work/q38 \
-        >"$res/gpu1.log" 2>&1 &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        timeout $(lim 250) $q38 "$res/exact-v1" --only exact --runners v1 --dtypes float16 \
+            --modes graphs,eager --work $work/q38
+        # fp16 eager in the default (V2) runner, which part a's compiled mode left no time for
+        timeout $(lim 120) $q38 "$res/exact-fp16-eager" --only exact --runners v2 --dtypes float16 \
+            --modes eager --work $work/q38
+    ) >"$res/gpu1.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=0 timeout $(lim 250) $csf "$res/csf-serve" --only kernels,serve --budget 240 \
         --work $work/csf \
         >"$res/csf-serve.log" 2>&1
@@ -127,7 +134,8 @@ e)
     ;;
 esac
 tar czf "$out/$part.tar.gz" -C $work "results-$part"
-for f in exact-bf16/exact.json exact-fp16/exact.json tp2/tp2.json bench/bench_gpu.json exact-v1/exact.json; do
+for f in exact-bf16/exact.json exact-fp16/exact.json tp2/tp2.json bench/bench_gpu.json exact-v1/exact.json \
+    exact-fp16-eager/exact.json; do
     [ -f "$res/$f" ] && cp "$res/$f" "$out/$(echo "$f" | tr / -)"
 done
 ls -la "$out"

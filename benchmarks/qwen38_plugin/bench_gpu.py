@@ -16,16 +16,23 @@ of GPU (the second GPU, at the same time, where two are visible; else after vLLM
 With ``--stock``, stock vLLM's own Qwen4Exp (bf16, ``QWEN38_FORCE_PORTABLE=0``) is tried on the
 same checkpoint; what stops it is recorded if it does not start.
 
-The peer (``--modes ...,peer``, rows ``peer-qwen3moe``): a stock vLLM architecture of the same size
-run by the same child with vLLM's defaults for it (no mode environment, so its default model
-runner, torch.compile and CUDA graphs): a random ``Qwen3MoeForCausalLM`` with the geometry of
-``--config`` (hidden size, layers, attention heads, KV heads, head dim, experts, top-k, expert width,
-the tiny builder's 248,320-token vocabulary and its tokenizer, so detokenizing costs the same),
-every layer full attention and sparse, no shared expert, ``norm_topk_prob``. A model this small
-spends most of a decode step outside its weights (scheduling, sampling, input preparation, graph
-launch), so a fraction of the roofline alone cannot say how much of the gap is ours; the peer is
-vLLM's own floor for a model of this size, measured on the same GPU in the same run. It gets its
-own roofline (`peer_decode_bytes`) and the table adds ours-graphs / peer decode tok/s per batch.
+The peers (``--modes ...,peer,peer-hybrid``): stock vLLM architectures of the same size run by the
+same child with vLLM's defaults for them (no mode environment, so their default model runner,
+torch.compile and CUDA graphs), with the tiny builder's 248,320-token vocabulary and its tokenizer
+(so detokenizing costs the same). ``peer`` (rows ``peer-qwen3moe``): a random ``Qwen3MoeForCausalLM``
+with the geometry of ``--config`` (hidden size, layers, attention heads, KV heads, head dim, experts,
+top-k, expert width), every layer full attention and sparse, no shared expert, ``norm_topk_prob``.
+``peer-hybrid`` (rows ``peer-qwen3next``): a random ``Qwen3NextForCausalLM``, vLLM's own hybrid of
+Gated DeltaNet and gated full attention, with our layer pattern (QSA layers become full attention),
+our GDN geometry and shared expert: it pays vLLM's hybrid-model costs (the GDN metadata builder,
+mamba state slots and their prefix-cache copies) that a pure-attention model does not. A model this
+small spends most of a decode step outside its weights (scheduling, sampling, input preparation,
+graph launch), so a fraction of the roofline alone cannot say how much of the gap is ours; the peers
+are vLLM's own floor for models of this size, measured on the same GPU in the same run. Each gets its
+own roofline (`peer_decode_bytes`, `hybrid_peer_decode_bytes`) and the table adds ours-graphs / peer
+decode tok/s per batch. Mode suffix ``-noprefix`` (e.g. ``graphs-noprefix``) turns vLLM's prefix
+caching off for our model (for a hybrid model vLLM then skips the mamba state copies of its "align"
+mode), to see what that costs a decode step.
 
 The roofline: the bytes a decode step must read at batch B (lm_head, the projections and norms of
 every layer, the experts the batch touches in expectation, the shared experts; KV and states are
@@ -54,10 +61,14 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
 from bench_cpu import CONFIGS  # noqa: E402  (the same model geometries as the CPU benchmark)
 
 PEER = "peer-qwen3moe"  # the report's name for the peer's rows
+HYBRID_PEER = "peer-qwen3next"  # and the hybrid peer's
 # The peer's Qwen3MoeConfig fields taken as they are from our config (after the tiny builder's defaults).
 PEER_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size",
                "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")  # fmt: skip
+# ... and for the hybrid peer (Qwen3NextConfig) also these.
+HYBRID_PEER_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                      "linear_num_value_heads", "shared_expert_intermediate_size", "rope_parameters")  # fmt: skip
 
 
 def build_checkpoint(work: Path, config: str, dtype: str, stock_gate: bool) -> Path:
@@ -85,20 +96,36 @@ def peer_config(config: str) -> dict[str, Any]:
     return fields
 
 
-def build_peer_checkpoint(work: Path, config: str, dtype: str) -> Path:
-    """A random ``Qwen3MoeForCausalLM`` of ``config``'s size with our tokenizer, built once per work
-    dir (written to a temporary sibling and renamed, so an interrupted build is never reused)."""
-    path = work / f"ckpt-{PEER}-{config}-{dtype}"
+def hybrid_peer_config(config: str) -> dict[str, Any]:
+    """The hybrid peer's Qwen3NextConfig fields: our geometry (as `peer_config`) plus our GDN heads,
+    shared expert and layer pattern, every layer sparse, full attention where we have QSA."""
+    from qwen38_plugin.tiny.checkpoints import tiny_config_dict
+
+    ours = tiny_config_dict("qwen4_exp_text", CONFIGS[config])
+    fields = {key: ours[key] for key in PEER_FIELDS + HYBRID_PEER_FIELDS}
+    fields["layer_types"] = [kind if kind == "linear_attention" else "full_attention" for kind in ours["layer_types"]]
+    fields.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    return fields
+
+
+def build_peer_checkpoint(work: Path, config: str, dtype: str, hybrid: bool = False) -> Path:
+    """A random ``Qwen3MoeForCausalLM`` (``Qwen3NextForCausalLM`` with ``hybrid``) of ``config``'s size
+    with our tokenizer, built once per work dir (written to a temporary sibling and renamed, so an
+    interrupted build is never reused)."""
+    name = HYBRID_PEER if hybrid else PEER
+    path = work / f"ckpt-{name}-{config}-{dtype}"
     if path.exists():
         return path
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
 
     from qwen38_plugin.tiny.tokenizer import write_tokenizer
 
-    fields = peer_config(config)
+    kind = "Qwen3Next" if hybrid else "Qwen3Moe"
+    fields = hybrid_peer_config(config) if hybrid else peer_config(config)
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], **fields))
+    config_cls, model_cls = getattr(transformers, f"{kind}Config"), getattr(transformers, f"{kind}ForCausalLM")
+    model = model_cls(config_cls(architectures=[f"{kind}ForCausalLM"], **fields))
     model.to(getattr(torch, dtype))
     model.config.dtype = dtype
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=work))
@@ -180,6 +207,27 @@ def peer_decode_bytes(config: dict[str, Any], batch: int, elem: int) -> float:
     return float((params + config["num_hidden_layers"] * per_layer) * elem)
 
 
+def hybrid_peer_decode_bytes(config: dict[str, Any], batch: int, elem: int) -> float:
+    """Weight bytes one decode step of the hybrid peer (its config.json) must read, counted as
+    `decode_bytes`: per GDN layer its projections (qkvz, ba, out), per attention layer q (with its
+    gate), k, v, o; per layer the touched experts, the shared expert and its gate, the router."""
+    h = config["hidden_size"]
+    e = config["num_local_experts"] if "num_local_experts" in config else config["num_experts"]
+    k, inter = config["num_experts_per_tok"], config["moe_intermediate_size"]
+    params = config["vocab_size"] * h + batch * h + h  # lm_head, embedding rows, final norm
+    for kind in config["layer_types"]:
+        if kind == "linear_attention":
+            kd = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+            vd = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+            params += h * (2 * kd + 2 * vd) + 2 * h * config["linear_num_value_heads"] + vd * h
+        else:
+            d, heads, kv_heads = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+            params += h * (2 * heads + 2 * kv_heads) * d + heads * d * h
+        params += touched_experts(e, k, batch) * 3 * h * inter + 3 * h * config["shared_expert_intermediate_size"]
+        params += h * (e + 1) + 2 * h  # router, shared-expert gate, norms
+    return float(params * elem)
+
+
 def _rates(batch: int, new_tokens: int, prefill_s: float, total_s: float, prompt_len: int) -> dict[str, float]:
     return {
         "prefill_tok_s": batch * prompt_len / prefill_s,
@@ -192,7 +240,9 @@ def child_vllm(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs: dict[str, Any] = {"enforce_eager": args.mode == "eager"}  # else vLLM's default
+    kwargs: dict[str, Any] = {"enforce_eager": args.mode.startswith("eager")}  # else vLLM's default
+    if args.mode.endswith("-noprefix"):
+        kwargs["enable_prefix_caching"] = False
     llm = LLM(
         model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 16, seed=0,
         max_num_seqs=max(args.batches), max_num_batched_tokens=max(8192, args.prompt_len * 8),
@@ -290,7 +340,10 @@ def main() -> None:
     parser.add_argument("--config", default="medium", choices=sorted(CONFIGS))
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--batches", default="1,8,64,256")
-    parser.add_argument("--modes", default="graphs,compiled,eager", help="of eager, graphs, compiled, graphs-v1, peer")
+    parser.add_argument(
+        "--modes", default="graphs,compiled,eager",
+        help="of eager, graphs, compiled, graphs-v1, graphs-noprefix, peer, peer-hybrid",
+    )  # fmt: skip
     parser.add_argument("--work", type=Path, help="where the checkpoints are built (default: OUT_DIR)")
     parser.add_argument("--mode", default="graphs")
     parser.add_argument("--repeats", type=int, default=3)
@@ -323,12 +376,16 @@ def main() -> None:
     roof = {b: b / (decode_bytes(config, b, elem) / bandwidth) for b in args.batches}
     report["roofline_decode_tok_s"] = {str(b): r for b, r in roof.items()}
     modes = args.modes.split(",")
-    if "peer" in modes:
-        peer_model = build_peer_checkpoint(work, args.config, args.dtype)
-        peer = json.loads((peer_model / "config.json").read_text())
-        report["peer_roofline_decode_tok_s"] = {
-            str(b): b / (peer_decode_bytes(peer, b, elem) / bandwidth) for b in args.batches
-        }
+    peers: dict[str, tuple[str, Path]] = {}  # mode: (report name, checkpoint)
+    for mode, name, hybrid in (("peer", PEER, False), ("peer-hybrid", HYBRID_PEER, True)):
+        if mode in modes:
+            peer_model = build_peer_checkpoint(work, args.config, args.dtype, hybrid=hybrid)
+            peer = json.loads((peer_model / "config.json").read_text())
+            count = hybrid_peer_decode_bytes if hybrid else peer_decode_bytes
+            report.setdefault("peer_roofline_decode_tok_s", {})[name] = {
+                str(b): b / (count(peer, b, elem) / bandwidth) for b in args.batches
+            }
+            peers[mode] = (name, peer_model)
     # With two GPUs visible, transformers runs on the second one while vLLM runs on the first.
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
     gpus = [g for g in visible.split(",") if g]
@@ -338,11 +395,12 @@ def main() -> None:
     hf = start_child("transformers", args, hf_env) if hf_env and not args.no_transformers else None
     for mode in modes:
         args.mode = mode
-        if mode == "peer":
+        if mode in peers:
+            name, peer_model = peers[mode]
             peer_args = argparse.Namespace(**vars(args))
             peer_args.model = str(peer_model)
             # No mode environment: vLLM picks runner, compilation and CUDA graphs as for any user.
-            report["results"][PEER] = run_child("vllm", peer_args, vllm_env, args.timeout)
+            report["results"][name] = run_child("vllm", peer_args, vllm_env, args.timeout)
             _save(args.out, report)
             continue
         env = {"VLLM_USE_V2_MODEL_RUNNER": "0" if mode.endswith("-v1") else "1", **vllm_env}
@@ -376,7 +434,7 @@ def print_table(report: dict[str, Any], batches: list[int]) -> None:
     print(f"{report['gpu']}, {report['config']} {report['dtype']}, copy {report['copy_bandwidth_GBps']:.0f} GB/s")
     print("| run | batch | decode tok/s | step ms | of roofline | vs transformers | prefill tok/s |")
     print("|---|---|---|---|---|---|---|")
-    peer_roof = report.get("peer_roofline_decode_tok_s", {})
+    peer_roofs = report.get("peer_roofline_decode_tok_s", {})
     for name, result in report["results"].items():
         if "error" in result:  # what it measured before it stopped, if anything, still prints
             print(f"| {name} | - | failed: {result['error'][:200]} | | | | |")
@@ -384,23 +442,24 @@ def print_table(report: dict[str, Any], batches: list[int]) -> None:
             r = result.get(str(b))
             if r is None:
                 continue
-            # The peer is a different model: its own roofline, and transformers ran ours, not it.
-            own_roof = peer_roof if name == PEER else roof
+            # A peer is a different model: its own roofline, and transformers ran ours, not it.
+            own_roof = peer_roofs.get(name, roof)
             vs_hf = "-"
-            if str(b) in hf and name != PEER:
+            if str(b) in hf and name not in peer_roofs:
                 vs_hf = f"{r['decode_tok_s'] / hf[str(b)]['decode_tok_s']:.1f}x"
             print(
                 f"| {name} | {b} | {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | "
                 f"{r['decode_tok_s'] / own_roof[str(b)]:.3f} | {vs_hf} | {r['prefill_tok_s']:.0f} |"
             )
     print("roofline decode tok/s: " + ", ".join(f"b{b}: {roof[str(b)]:.0f}" for b in batches))
-    if peer_roof:
-        print(f"{PEER} roofline decode tok/s: " + ", ".join(f"b{b}: {peer_roof[str(b)]:.0f}" for b in batches))
-    ours, peer = report["results"].get("ours-graphs", {}), report["results"].get(PEER, {})
-    both = [b for b in batches if str(b) in ours and str(b) in peer]
-    if both:
-        ratios = (f"b{b}: {ours[str(b)]['decode_tok_s'] / peer[str(b)]['decode_tok_s']:.2f}x" for b in both)
-        print(f"decode tok/s ours-graphs / {PEER}: " + ", ".join(ratios))
+    ours = report["results"].get("ours-graphs", {})
+    for name, peer_roof in peer_roofs.items():
+        print(f"{name} roofline decode tok/s: " + ", ".join(f"b{b}: {peer_roof[str(b)]:.0f}" for b in batches))
+        peer = report["results"].get(name, {})
+        both = [b for b in batches if str(b) in ours and str(b) in peer]
+        if both:
+            ratios = (f"b{b}: {ours[str(b)]['decode_tok_s'] / peer[str(b)]['decode_tok_s']:.2f}x" for b in both)
+            print(f"decode tok/s ours-graphs / {name}: " + ", ".join(ratios))
 
 
 if __name__ == "__main__":
