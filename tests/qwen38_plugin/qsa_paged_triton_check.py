@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-import traceback
 from collections.abc import Callable
 
 import torch
+from triton_check_runner import run_checks  # this script's folder is first on sys.path
 
 from qwen38_plugin.ops import qsa_paged, qsa_step_metadata
 
@@ -348,19 +347,5 @@ CHECKS: dict[str, Callable[[], str]] = {
 }
 
 
-def main() -> int:
-    failed = 0
-    for name, check in CHECKS.items():
-        started = time.perf_counter()
-        try:
-            result = check()
-            print(f"PASS {name} {result} ({time.perf_counter() - started:.1f} s)", flush=True)
-        except Exception as error:  # report every check, then fail
-            failed += 1
-            print(f"FAIL {name} {error!r}\n{traceback.format_exc()}", flush=True)
-    print(f"device={DEVICE} checks={len(CHECKS)} failed={failed}")
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_checks(CHECKS, DEVICE))
