@@ -2,14 +2,20 @@
 
     python awq_engine_run.py MODEL OUT.json
 
-Writes the quantization vLLM chose, the quantization method class of every linear layer, and
-for each prompt the greedy tokens with their logprobs and the prompt logprobs (of the prompt's
-own tokens). Run as a subprocess (engine processes spawn), under the shared engine lock.
+Writes the quantization vLLM chose, the quantization method class of every linear layer, the
+attention implementation class of every attention layer, and for each prompt the greedy tokens
+with their logprobs and the prompt logprobs (of the prompt's own tokens). Run as a subprocess
+(engine processes spawn), under the shared engine lock.
+
+On a GPU, ``SM70_ENGINE_ATTENTION_BACKEND`` names the attention backend to ask for (e.g.
+``FLASH_ATTN_V100``, which vLLM picks by itself only on compute capability 7.x) and
+``SM70_ENGINE_CUDA_GRAPHS=1`` leaves vLLM's CUDA graphs on (eager otherwise, as on the CPU).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:"]
@@ -23,15 +29,29 @@ def layer_methods(worker) -> dict[str, str]:  # type: ignore[no-untyped-def]
     }
 
 
+def attention_impls(worker) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    return {
+        name: type(module.impl).__name__
+        for name, module in worker.model_runner.model.named_modules()
+        if name.endswith(".attn") and getattr(module, "impl", None) is not None
+    }
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
 
     model, out_path = sys.argv[1], sys.argv[2]
-    llm = LLM(model=model, quantization="awq_sm70", dtype="float16", max_model_len=128, enforce_eager=True, seed=0)
+    backend = os.environ.get("SM70_ENGINE_ATTENTION_BACKEND") or None
+    eager = os.environ.get("SM70_ENGINE_CUDA_GRAPHS", "0") != "1"
+    llm = LLM(
+        model=model, quantization="awq_sm70", dtype="float16", max_model_len=128, enforce_eager=eager, seed=0,
+        attention_backend=backend,
+    )  # fmt: skip
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5, temperature=0, logprobs=1, prompt_logprobs=1))
     result = {
         "quantization": llm.llm_engine.model_config.quantization,
         "methods": llm.collective_rpc(layer_methods)[0],
+        "attention_impls": llm.collective_rpc(attention_impls)[0],
         "requests": [
             {
                 "prompt_ids": list(o.prompt_token_ids),

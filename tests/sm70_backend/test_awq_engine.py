@@ -76,6 +76,19 @@ def test_vllm_chose_awq_sm70_for_every_decoder_linear_layer(served: dict[str, An
     assert "AWQ layers run through awq_sm70 (group size 32)" in served["log"]
 
 
+def test_attention_layers_run_the_backend_asked_for(served: dict[str, Any]) -> None:
+    # On a GPU run with SM70_ENGINE_ATTENTION_BACKEND=FLASH_ATTN_V100 (benchmarks/h200_session.sh s)
+    # every attention layer must run our kernels; otherwise (CPU) the platform's own backend.
+    impls = set(served["attention_impls"].values())
+    decoder_layers = {name.split(".layers.")[1].split(".")[0] for name in served["methods"] if ".layers." in name}
+    assert len(served["attention_impls"]) == len(decoder_layers) > 0, served["attention_impls"]
+    asked = os.environ.get("SM70_ENGINE_ATTENTION_BACKEND")
+    if asked == "FLASH_ATTN_V100":
+        assert impls == {"FlashAttnV100Impl"}, impls
+    else:
+        assert len(impls) == 1 and "V100" not in next(iter(impls)), impls
+
+
 def worst_logprob_error(served: dict[str, Any], checkpoint: Path, check_greedy: bool) -> float:
     from transformers import AutoModelForCausalLM
 
