@@ -10,7 +10,10 @@
 #   b: bench_gpu.py (medium config, fp16, vLLM on GPU 0 against the roofline, two stock models of the
 #      same size (the peers: Qwen3-MoE and the hybrid Qwen3-Next), ours without prefix caching and
 #      compiled, and stock's model; transformers on GPU 1 at the same time).
-#   s: the soak (tests/soak: load, preemption, prefix hits, faults) against a server with CUDA graphs.
+#   s: the soak (tests/soak: load, preemption, prefix hits, faults) against a server with CUDA graphs, then
+#      the SM70 AWQ kernels, awq_sm70 + FLASH_ATTN_V100 in an engine and the SM70 benchmarks (GPU 0);
+#      meanwhile the multimodal step on GPU 1 (gpu_session.py --only mm: images and video served in fp16
+#      against transformers, bench_vision.py, bench_mm_ttft.py).
 #   p: the decode step under torch's profiler, breakable graphs then torch.compile (GPU 0), beside the
 #      decode benchmark in both modes and the peer (GPU 1).
 #   e: after a kernel change: the kernels' CUDA tests and fp16 exactness with graphs (GPU 1); the decode
@@ -96,10 +99,25 @@ p)
     wait
     ;;
 s)
-    # the soak of tests/soak against a server on GPU 0 with CUDA graphs (issue 17 item 4), fp16
-    CUDA_VISIBLE_DEVICES=0 timeout $(lim 450) python3 benchmarks/soak_gpu.py "$res/soak" --dtype float16 \
-        --requests 120 --concurrency 32 >"$res/soak.log" 2>&1
+    # the multimodal step on GPU 1 (issue 13) while the soak of tests/soak runs against a server on GPU 0
+    # with CUDA graphs (issue 17 item 4), fp16
+    CUDA_VISIBLE_DEVICES=1 timeout $(lim 420) $q38 "$res/mm" --only mm --work $work/q38 >"$res/mm.log" 2>&1 &
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout $(lim 300) python3 benchmarks/soak_gpu.py "$res/soak" --dtype float16 \
+            --requests 120 --concurrency 32 >"$res/soak.log" 2>&1
+        # then issue 11 on the same GPU: the AWQ kernels against their reference, awq_sm70 with
+        # FLASH_ATTN_V100 and CUDA graphs inside a vLLM engine, both SM70 benchmarks
+        SM70_ENGINE_ATTENTION_BACKEND=FLASH_ATTN_V100 SM70_ENGINE_CUDA_GRAPHS=1 timeout $(lim 200) \
+            python3 -m pytest -q -rA -p no:cacheprovider tests/sm70_backend/test_awq_cuda.py \
+            tests/sm70_backend/test_awq_engine.py >"$res/sm70_gpu.log" 2>&1
+        timeout $(lim 60) python3 benchmarks/sm70_backend/bench_awq.py >"$res/bench_awq.log" 2>&1
+        timeout $(lim 60) python3 benchmarks/sm70_backend/bench_attention.py >"$res/bench_attention.log" 2>&1
+    )
+    wait
     tail -20 "$res/soak.log"
+    grep -E '^(mm exactness|\|)' "$res/mm.log"
+    tail -3 "$res/sm70_gpu.log"
     ;;
 d)
     # what fits a short call: fp16 exactness with CUDA graphs (GPU 1), the graphs decode bench (GPU 0)
@@ -135,7 +153,7 @@ e)
 esac
 tar czf "$out/$part.tar.gz" -C $work "results-$part"
 for f in exact-bf16/exact.json exact-fp16/exact.json tp2/tp2.json bench/bench_gpu.json exact-v1/exact.json \
-    exact-fp16-eager/exact.json; do
+    exact-fp16-eager/exact.json mm/mm.json; do
     [ -f "$res/$f" ] && cp "$res/$f" "$out/$(echo "$f" | tr / -)"
 done
 ls -la "$out"

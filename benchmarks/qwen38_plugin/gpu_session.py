@@ -3,7 +3,7 @@
 
     python3 benchmarks/qwen38_plugin/gpu_session.py OUT [--only ops,exact,tp2,bench]
         [--runners v2,v1] [--dtypes float16,bfloat16] [--modes graphs,compiled,eager]
-        [--work /tmp/qwen38_gpu_session]
+        [--work /tmp/qwen38_gpu_session] [--device cuda]
 
 1. ``ops``: the CUDA tests of the kernels (QSA paged ops, varlen GDN / PLE, fla's GDN), natively
    and in CUDA graphs.
@@ -21,6 +21,17 @@
    rule, and whether its tokens equal TP=1's.
 4. ``bench``: benchmarks/qwen38_plugin/bench_gpu.py (medium config, fp16, batches 1 / 8 / 64 / 256,
    eager and CUDA graphs, transformers, stock's bf16 model if it starts).
+5. ``mm`` (only when named in ``--only``): stock vLLM serving the tiny random
+   ``Qwen4ExpForConditionalGeneration`` of tests/qwen38_plugin/mm_checkpoint.py in float16 (the portable
+   multimodal model; vLLM's default CUDA graphs) through tests/qwen38_plugin/qwen38_mm_engine.py: images
+   (one of 1 megapixel, split over prefill steps of 256 tokens) and short videos, the prompts all
+   together, then each alone (prefix-cache hits on the first run's blocks), against transformers'
+   ``Qwen4ExpForConditionalGeneration`` in the same dtype on the same GPU by the rule of ``exact``
+   (prompt token ids equal; greedy tokens equal over 16 steps until transformers' own top two nearly
+   tie); then bench_vision.py (Flash-Next's 27-block tower, fp16, one 1-megapixel image) and
+   bench_mm_ttft.py (time to first token with and without a 1-megapixel image through `vllm serve`).
+   Writes ``mm.json``. ``--device cpu`` runs the same step on the CPU as a dry run: float32 (tokens
+   then identical), smaller media, a one-block tower.
 
 Each engine runs in a child process with a time limit, so one failure does not stop the others;
 results are written to OUT as they come (``exact.json``, ``summary.json``, one log per child), so
@@ -55,8 +66,12 @@ def prompts(seed: int) -> list[list[int]]:
     return ps
 
 
-def run(name: str, cmd: list[str], out: Path, timeout: int, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run a child, its output streamed into OUT/<name>.log (kept when a limit stops the child or us)."""
+def run(
+    name: str, cmd: list[str], out: Path, timeout: int, env: dict[str, str] | None = None, terminate: bool = False
+) -> dict[str, Any]:
+    """Run a child, its output streamed into OUT/<name>.log (kept when a limit stops the child or us).
+    At the limit the child is killed; with ``terminate`` it first gets SIGTERM and 30 s to clean up
+    (a child that started a server in its own session stops it)."""
     start = time.time()
     path = out / f"{name}.log"
     with path.open("w") as log_file:
@@ -64,7 +79,14 @@ def run(name: str, cmd: list[str], out: Path, timeout: int, env: dict[str, str] 
         try:
             status = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            if terminate:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            else:
+                proc.kill()
             proc.wait()
             status = 124
             log_file.write(f"\ntimed out after {timeout} s\n")
@@ -189,22 +211,130 @@ def tp2(out: Path, work: Path, runners: list[str], dtype: str) -> dict[str, Any]
     return report
 
 
+def mm_requests(cuda: bool, steps: int) -> list[dict[str, Any]]:
+    """The mm step's requests (tests/qwen38_plugin/mm_inputs.py's form): images, videos, text only."""
+    from tests.qwen38_plugin.mm_inputs import IMAGE, VIDEO
+
+    big = [1024, 1024, 11] if cuda else [320, 256, 11]  # 1 MP: 1,024 image tokens
+    return [
+        {"text": f"Look {IMAGE} and {VIDEO} ok", "images": [[300, 200, 1]], "video": [4, 96, 128, 2]},
+        {"text": f"Compare {IMAGE} with {IMAGE} please", "images": [[256, 320, 4], big], "video": None},
+        {"text": f"What happens in {VIDEO}?", "images": [], "video": [8, 128, 160, 3]},
+        {"text": "Only words here, no pictures at all, and a few more of them", "images": [], "video": None},
+    ]  # fmt: skip
+
+
+def mm_reference(model: Path, requests: list[dict[str, Any]], dtype: str, device: str) -> list[dict[str, Any]]:
+    """transformers' `Qwen4ExpForConditionalGeneration` on each request alone (no cache, greedy)."""
+    import torch
+    from transformers import AutoProcessor
+
+    from tests.qwen38_plugin.mm_inputs import hf_inputs, hf_run, load_hf_model
+
+    processor = AutoProcessor.from_pretrained(model)
+    hf = load_hf_model(model, getattr(torch, dtype), device)
+    results = [hf_run(hf, hf_inputs(processor, r), r["max_tokens"]) for r in requests]
+    del hf
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def mm(out: Path, work: Path, device: str) -> dict[str, Any]:
+    """Step 5 (see the module's docstring); ``device`` cpu: the dry run."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # the repository's tests package
+    from tests.qwen38_plugin.mm_checkpoint import mm_model_checkpoint
+
+    cuda = device == "cuda"
+    dtype, steps = ("float16", 16) if cuda else ("float32", 8)
+    requests = [{**r, "max_tokens": steps} for r in mm_requests(cuda, steps)]
+    report: dict[str, Any] = {"device": device, "dtype": dtype, "steps": steps, "requests": requests}
+
+    def save() -> None:
+        (out / "mm.json").write_text(json.dumps(report, indent=2, default=str))
+
+    model = mm_model_checkpoint()
+    report["checkpoint"] = str(model)
+    # vLLM: all requests together (chunked prefill: the 1-MP image spans several steps), then each
+    # alone on the same engine (prefix-cache hits on the first phase's blocks)
+    extra = {"dtype": dtype, "max_model_len": 2048, "max_num_batched_tokens": 256 if cuda else 64, "max_num_seqs": 4,
+             "enable_prefix_caching": True, "disable_log_stats": False}  # fmt: skip
+    env = {} if cuda else {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    phases = [requests] + [[r] for r in requests]
+    cmd = [sys.executable, str(ROOT / "tests/qwen38_plugin/qwen38_mm_engine.py"), str(model), json.dumps(phases),
+           json.dumps(extra)]  # fmt: skip
+    engine = run("mm-engine", cmd, out, 300, env)
+    lines = [line for line in (out / "mm-engine.log").read_text().splitlines() if line.startswith('{"phases"')]
+    served = json.loads(lines[-1])["phases"] if lines else None
+    report["engine"] = {"status": engine["status"], "seconds": engine["seconds"]}
+    if served is None:
+        report["engine"]["error"] = "engine failed: see mm-engine.log"
+        print(f"mm engine failed: {engine['tail'][-800:]}", flush=True)
+    save()
+    try:
+        ref = mm_reference(model, requests, dtype, device)
+    except Exception as error:  # recorded; the benchmarks below still run
+        report["reference_error"] = repr(error)
+        ref = None
+    if served is not None and ref is not None:
+        together = served[0]["requests"]
+        solo = [phase["requests"][0] for phase in served[1:]]
+        ref_tokens, margins = [r["tokens"] for r in ref], [r["margins"] for r in ref]
+        report["prompt_ids_equal"] = [
+            s["prompt_token_ids"] == r["prompt_token_ids"] for s, r in zip(together, ref, strict=True)
+        ]
+        report["prompt_tokens"] = [len(r["prompt_token_ids"]) for r in ref]
+        report["together"] = compare([s["tokens"] for s in together], ref_tokens, margins, dtype)
+        report["solo"] = compare([s["tokens"] for s in solo], ref_tokens, margins, dtype)
+        report["prefix_cache_hits"] = [phase["prefix_cache_hits"] for phase in served]
+        report["ok"] = all(report["prompt_ids_equal"]) and report["together"]["ok"] and report["solo"]["ok"]
+    else:
+        report["ok"] = False
+    save()
+    print("mm exactness:", json.dumps({k: report.get(k) for k in ("ok", "prompt_ids_equal", "together", "solo",
+          "prefix_cache_hits", "reference_error")}), flush=True)  # fmt: skip
+    # the vision tower: Flash-Next's geometry (27 blocks) and a 1-MP image on CUDA; one block, 256 x 256 on CPU
+    sizes = ["--depth", "27", "--pixels", "1048576", "--repeats", "3"] if cuda else ["--depth", "1", "--pixels",
+             "65536", "--repeats", "1"]  # fmt: skip
+    vision = run("mm-bench-vision", [sys.executable, str(ROOT / "benchmarks/qwen38_plugin/bench_vision.py"),
+                 "--dtype", dtype, *sizes], out, 200 if cuda else 300)  # fmt: skip
+    table = [line for line in vision["tail"].splitlines() if line.startswith(("|", "merged", "NVIDIA", "CPU"))]
+    report["bench_vision"] = {"status": vision["status"], "seconds": vision["seconds"], "output": table}
+    save()
+    print("\n".join(table) if vision["status"] == 0 else f"bench_vision failed: {vision['tail'][-800:]}", flush=True)
+    ttft_out = out / "mm-ttft"
+    cmd = [sys.executable, str(ROOT / "benchmarks/qwen38_plugin/bench_mm_ttft.py"), "--device-dtype", dtype,
+           "--repeats", "5" if cuda else "2", "--out", str(ttft_out), "--startup-timeout", "240"]  # fmt: skip
+    ttft = run("mm-ttft", cmd, out, 300, terminate=True)
+    result_file = ttft_out / "bench_mm_ttft.json"
+    report["ttft"] = {"status": ttft["status"], "seconds": ttft["seconds"],
+                      **(json.loads(result_file.read_text()) if ttft["status"] == 0 and result_file.exists() else
+                         {"error": "see mm-ttft.log"})}  # fmt: skip
+    save()
+    print(ttft["tail"][-700:], flush=True)
+    return report
+
+
 RUNNER_ENV = {"v2": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 # graphs: vLLM's default for the Qwen4ExpForCausalLM architecture on CUDA, breakable CUDA graphs
 # without torch.compile; compiled: torch.compile with piecewise and full CUDA graphs.
 MODE_ENV = {"graphs": {}, "compiled": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, "eager": {}}
-STEPS_OF_SESSION = ("ops", "exact", "tp2", "bench")
+STEPS_OF_SESSION = ("ops", "exact", "tp2", "bench", "mm")
+DEFAULT_STEPS = ("ops", "exact", "tp2", "bench")  # mm only when named
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--only", default=",".join(STEPS_OF_SESSION))
+    parser.add_argument("--only", default=",".join(DEFAULT_STEPS), help=f"of {', '.join(STEPS_OF_SESSION)}")
     parser.add_argument("--runners", default="v2,v1")
     parser.add_argument("--dtypes", default="float16,bfloat16", help="of the exact step (float32: refused on CUDA)")
     parser.add_argument("--modes", default="graphs,compiled,eager", help="of the exact step")
     parser.add_argument("--work", type=Path, default=Path("/tmp/qwen38_gpu_session"))
     parser.add_argument("--bench-args", default="", help="extra arguments for bench_gpu.py")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="of the mm step: cpu is a dry run (float32, small media, a one-block tower)")  # fmt: skip
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
     unknown = only - set(STEPS_OF_SESSION)
@@ -240,6 +370,10 @@ def main() -> None:
                "--work", str(args.work), *args.bench_args.split()]  # fmt: skip
         summary["bench"] = run("bench", cmd, out, 3000)
         print(summary["bench"]["tail"], flush=True)
+    if "mm" in only:
+        if args.device == "cuda" and not gpus:
+            parser.error("--only mm: no CUDA device here; --device cpu runs the step on the CPU (a dry run)")
+        summary["mm"] = mm(out, args.work, args.device)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
 
 

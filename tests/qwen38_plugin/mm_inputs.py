@@ -95,32 +95,37 @@ def hf_reference(path: Path, requests: list[dict[str, Any]]) -> list[dict[str, A
     return [hf_run(model, hf_inputs(processor, request), request["max_tokens"]) for request in requests]
 
 
-def load_hf_model(path: Path) -> Any:
+def load_hf_model(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
     from transformers import Qwen4ExpForConditionalGeneration
 
-    return Qwen4ExpForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return Qwen4ExpForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def hf_run(model: Any, inputs: dict[str, torch.Tensor], max_tokens: int) -> dict[str, Any]:
-    """transformers' `Qwen4ExpForConditionalGeneration` in fp32 on one prompt: its ids, the
-    logprob of every prompt token (`prompt_logprobs`, None for the first), and greedy decoding
-    without a cache (every step a full forward over prompt and media: a cold run), with the
-    logprob of each chosen token."""
-    inputs = dict(inputs)
+    """transformers' `Qwen4ExpForConditionalGeneration` (fp32 on CPU in the tests; any dtype and
+    device the model has) on one prompt: its ids, the logprob of every prompt token
+    (`prompt_logprobs`, None for the first), and greedy decoding without a cache (every step a full
+    forward over prompt and media: a cold run), with the logprob of each chosen token and the
+    margin between the top two logprobs at each step (`margins`)."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    inputs = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
     with torch.no_grad():
         ids = inputs["input_ids"]
         logprobs = torch.log_softmax(model(**inputs).logits[0].float(), -1)
         prompt_logprobs = [None] + [float(logprobs[i, ids[0, i + 1]]) for i in range(ids.shape[1] - 1)]
-        tokens, token_logprobs = [], []
+        tokens, token_logprobs, margins = [], [], []
         step_logprobs = logprobs[-1]
         for _ in range(max_tokens):
+            top = step_logprobs.topk(2).values
+            margins.append(float(top[0] - top[1]))
             token = int(step_logprobs.argmax())
             tokens.append(token)
             token_logprobs.append(float(step_logprobs[token]))
-            inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([[token]])], 1)
+            inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([[token]], device=device)], 1)
             inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
             types = inputs["mm_token_type_ids"]
-            inputs["mm_token_type_ids"] = torch.cat([types, torch.zeros((1, 1), dtype=types.dtype)], 1)
+            inputs["mm_token_type_ids"] = torch.cat([types, torch.zeros((1, 1), dtype=types.dtype, device=device)], 1)
             step_logprobs = torch.log_softmax(model(**inputs).logits[0, -1].float(), -1)
     return {"prompt_token_ids": ids[0].tolist(), "prompt_logprobs": prompt_logprobs, "tokens": tokens,
-            "logprobs": token_logprobs}  # fmt: skip
+            "logprobs": token_logprobs, "margins": margins}  # fmt: skip

@@ -8,6 +8,7 @@ earlier one filled). Prints one stdout line ``{"phases": [...]}``: per request i
 ``prompt_token_ids``, greedy ``tokens`` and their ``logprobs``, and with ``"prompt_logprobs": true``
 in the request the logprob of every prompt token; per phase ``prefix_cache_hits`` (tokens vLLM
 served from its prefix cache in that phase; the counter needs ``"disable_log_stats": false``).
+The engine runs in float32 unless the extra kwargs name a ``"dtype"``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def main() -> None:
     extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="float32", seed=0, **extra)
+    extra.setdefault("dtype", "float32")
+    llm = LLM(model=model, seed=0, **extra)
     phases = []
     for requests in json.loads(phases_json):
         params = [
