@@ -64,61 +64,72 @@ def drafter(tiny_checkpoint: Callable[..., Path], vllm_single_rank: None) -> Ite
     yield model, vllm_config
 
 
-def _meta(tokens: int, start: int, table: torch.Tensor) -> Any:
+def _meta(counts: list[int], starts: list[int], tables: torch.Tensor) -> Any:
+    """The metadata of one step: request r runs ``counts[r]`` tokens from position ``starts[r]``."""
     from qwen38_plugin.vllm_qsa_cache import QSAMetadata
 
-    positions = torch.arange(start, start + tokens)
-    slots = table[positions // BLOCK].long() * BLOCK + positions % BLOCK
+    req = torch.cat([torch.full((n,), r) for r, n in enumerate(counts)])
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+    slots = tables[req, positions // BLOCK].long() * BLOCK + positions % BLOCK
     return QSAMetadata(
-        tokens, torch.zeros(tokens, dtype=torch.int32), torch.tensor([start], dtype=torch.int32), table[None],
-        slots, positions,
+        int(req.shape[0]), req.int(), torch.tensor(starts, dtype=torch.int32), tables, slots, positions
     )  # fmt: skip
 
 
 def test_drafter_logits_and_tokens_equal_the_oracle(
     drafter: tuple[Any, Any], tiny_checkpoint: Callable[..., Path]
 ) -> None:
+    """Two requests (41 and 23 tokens) in every step, as the proposer batches them."""
     from vllm.forward_context import set_forward_context
 
     model, vllm_config = drafter
     core, head = _oracle(tiny_checkpoint)
     torch.manual_seed(0)
-    ids = torch.randint(0, 248_000, (LENGTH,))
+    lengths = [LENGTH, 23]
+    sequences, target_streams, expected = [], [], []
     with torch.no_grad():
-        _, streams = core.forward_streams(ids, torch.arange(LENGTH), [LENGTH], DictStateStore(core, [SequenceCache()]))
-        expected_drafts, expected_logits, expected_first = head.draft(core, streams[:-1], ids, k=DRAFTS)
+        for n in lengths:
+            ids = torch.randint(0, 248_000, (n,))
+            _, streams = core.forward_streams(ids, torch.arange(n), [n], DictStateStore(core, [SequenceCache()]))
+            sequences.append(ids)
+            target_streams.append(streams[:-1])
+            expected.append(head.draft(core, streams[:-1], ids, k=DRAFTS))
 
-    attention = model.model.layers[0].self_attn
-    cache = attention.cache
+    cache = model.model.layers[0].self_attn.cache
     config = model.config
     blocks = 12
     # poisoned: every row a step reads must have been written by the drafter
     cache.bind_kv_cache(torch.full((blocks, cache.num_kv_heads, BLOCK, 2 * config.head_dim), float("nan")))
     assert cache.raw_keys.shape == (blocks, 1, BLOCK, config.indexer_head_dim)
     assert cache.group_key_cache.shape == (blocks, 1, BLOCK // config.indexer_compress_ratio, config.indexer_head_dim)
-    table = torch.tensor([7, 2, 9, 0, 11, 4, 1, 3], dtype=torch.int32)  # scattered blocks
+    tables = torch.tensor([[7, 2, 9, 0, 11], [4, 1, 10, 3, 5]], dtype=torch.int32)  # scattered blocks
 
-    def step(hidden: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        meta = _meta(tokens.shape[0], start, table)
+    def step(hidden: torch.Tensor, tokens: torch.Tensor, counts: list[int], starts: list[int]) -> torch.Tensor:
+        meta = _meta(counts, starts, tables)
         with set_forward_context({cache.prefix: meta}, vllm_config), torch.no_grad():
             return model(tokens, meta.positions, hidden)
 
-    first = step(streams[:-1], ids[1:], 0)  # the proposer's first pass: position p with token p + 1
+    # the proposer's first pass: position p with token p + 1, both requests in one step
+    counts = [n - 1 for n in lengths]
+    first = step(torch.cat(target_streams), torch.cat([ids[1:] for ids in sequences]), counts, [0, 0])
     first_logits = model.compute_logits(first)
-    torch.testing.assert_close(first_logits, expected_first, rtol=1e-4, atol=1e-4)
-    hidden, logits = first[-1:], first_logits[-1:]
+    assert bool(torch.isfinite(first).all())
+    torch.testing.assert_close(first_logits, torch.cat([e[2] for e in expected]), rtol=1e-4, atol=1e-4)
+    last = torch.tensor(counts).cumsum(0) - 1
+    hidden, logits = first[last], first_logits[last]
     drafts, draft_logits = [], [logits]
     for j in range(1, DRAFTS + 1):
         token = logits.argmax(-1)
-        drafts.append(int(token))
+        drafts.append(token.tolist())
         if j == DRAFTS:
             break
-        hidden = step(hidden, token, LENGTH - 2 + j)  # the proposer's draft step: its own streams
+        # the proposer's draft step: one token per request, reading its own streams
+        hidden = step(hidden, token, [1, 1], [n - 2 + j for n in lengths])
         logits = model.compute_logits(hidden)
         draft_logits.append(logits)
-    torch.testing.assert_close(torch.cat(draft_logits), expected_logits, rtol=1e-4, atol=1e-4)
-    assert drafts == expected_drafts
-    assert bool(torch.isfinite(first).all())
+    for r, (expected_drafts, expected_logits, _) in enumerate(expected):
+        torch.testing.assert_close(torch.stack([lg[r] for lg in draft_logits]), expected_logits, rtol=1e-4, atol=1e-4)
+        assert [d[r] for d in drafts] == expected_drafts
 
 
 def test_v1_proposer_buffer_holds_the_target_streams(drafter: tuple[Any, Any]) -> None:

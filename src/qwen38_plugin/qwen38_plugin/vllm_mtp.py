@@ -158,6 +158,8 @@ class DraftQSAAttention(PortableQSAAttention):
                 rope_theta=self.config.rope_parameters["rope_theta"], rotary_dim=self.index_rotary_dim,
             )  # fmt: skip
             key_slots = qsa_paged.key_slots(meta.token_req, positions, table, block_size=block_size, ratio=self.ratio)
+            # A draft past max_model_len has no K/V slot (vLLM clamps its position): store nothing.
+            key_slots = torch.where(meta.slots >= 0, key_slots, -1)
             qsa_paged.write_rows(cache.group_key_cache, key_slots, group_keys)
             selected = qsa_paged.index_topk(
                 index_q, cache.group_key_cache, table, meta.token_req, positions,
