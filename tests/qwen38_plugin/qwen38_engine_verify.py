@@ -1,14 +1,13 @@
-"""Run as a script: greedy-decode prompts through stock vLLM on the portable Qwen4Exp model with
-vLLM's n-gram speculative proposer (or none) and print JSON: the tokens and vLLM's spec-decode counters.
+"""Run as a script: greedy-decode prompts through stock vLLM on the portable Qwen4Exp model with a
+speculative proposer (the checkpoint's MTP head, or vLLM's n-gram proposer) or none, and print
+JSON: the tokens and vLLM's spec-decode counters.
 
 Usage: qwen38_engine_verify.py MODEL DTYPE STEPS PROMPTS_JSON NUM_SPECULATIVE_TOKENS [extra LLM kwargs as JSON]
 
-The dispatcher refuses every ``--speculative-config`` for the portable model while it has no MTP
-drafter (README, "Speculative decoding"); this script lifts that refusal in its own process only,
-so that a real engine runs the verify path (GDN, PLE and QSA verify rows laid out by vLLM's own
-metadata builders, rollback after rejected drafts) with a proposer that needs no draft model.
-A speculative run turns prefix caching off: vLLM's V1 CPU runner copies mamba states for prefix
-caching with a Triton kernel when speculating ("align" mode), which the CPU build cannot run.
+The extra kwargs may hold ``"method"`` (``"mtp"``, the default, or ``"ngram"``). The dispatcher
+serves ``mtp`` only; for ``ngram`` this script lifts the refusal in its own process, so a real
+engine runs the verify path with a proposer that needs no draft model. A speculative run passes
+``enable_prefix_caching=False``, which the dispatcher requires on CPU with speculation.
 """
 
 from __future__ import annotations
@@ -35,10 +34,12 @@ def main() -> None:
     from vllm.v1.metrics.reader import Counter
 
     extra.setdefault("max_model_len", 512)
+    method = extra.pop("method", "mtp")
     if int(num_spec):
-        extra["speculative_config"] = {
-            "method": "ngram", "num_speculative_tokens": int(num_spec), "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-        }  # fmt: skip
+        speculative: dict[str, Any] = {"method": method, "num_speculative_tokens": int(num_spec)}
+        if method == "ngram":
+            speculative |= {"prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        extra["speculative_config"] = speculative
         extra["enable_prefix_caching"] = False
     llm = LLM(model=model, dtype=dtype, seed=0, disable_log_stats=False, **extra)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts_json)]

@@ -125,10 +125,22 @@ def test_switch_forces_either_way_and_never_falls_back(configs: dict[str, Any]) 
 
 def test_portable_choice_refuses_what_the_portable_model_lacks() -> None:
     fp16 = Target("cuda", (9, 0), torch.float16)
-    with pytest.raises(DispatchError, match=r"dtype float16 .* does not support: speculative method 'mtp'"):
-        decide(dataclasses.replace(fp16, speculative_method="mtp"), None)
-    # n-gram drafting would start and then fail at the first step: refused at startup too
-    with pytest.raises(DispatchError, match=r"speculative method 'ngram' .*drop --speculative-config"):
+    # the portable model drafts with its MTP head (test_qwen38_spec_verify_engine.py) ...
+    assert decide(dataclasses.replace(fp16, speculative_method="mtp", prefix_caching=True), None).portable
+    cpu = Target("cpu", None, torch.float32, speculative_method="mtp")
+    assert decide(cpu, None).portable
+    # ... but not with prefix caching on CPU (vLLM's CPU runner cannot copy the states for it)
+    with pytest.raises(DispatchError, match=r"--enable-prefix-caching together with --speculative-config on CPU .*"
+                       r"pass --no-enable-prefix-caching"):  # fmt: skip
+        decide(dataclasses.replace(cpu, prefix_caching=True), None)
+    # not for the portable multimodal model (it keeps no streams for an MTP head)
+    with pytest.raises(
+        DispatchError, match=r"speculative method 'mtp' with the multimodal .*drop --speculative-config"
+    ):
+        decide(dataclasses.replace(cpu, architecture=dispatch.MM_ARCHITECTURE), None)
+    # other proposers are not proven through a real engine: refused at startup, naming the fix
+    with pytest.raises(DispatchError, match=r"speculative method 'ngram' \(the portable model drafts with its MTP "
+                       r"head only\): use --speculative-config .*mtp.* or drop --speculative-config"):  # fmt: skip
         decide(dataclasses.replace(fp16, speculative_method="ngram"), None)
     with pytest.raises(DispatchError, match="pipeline_parallel_size=2: use --pipeline-parallel-size 1"):
         decide(dataclasses.replace(fp16, pipeline_parallel_size=2), None)

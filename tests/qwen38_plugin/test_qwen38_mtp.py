@@ -3,8 +3,8 @@
 Stock vLLM maps the model types ``qwen4_exp`` / ``qwen4_exp_text`` to the ``Qwen4ExpMTP`` draft
 (`SpeculativeConfig.hf_config_override`). The alias config classes present the official
 ``model_type`` on their instances, so vLLM's own mapping applies unchanged (no patch). Running
-MTP is stock's business on CUDA >= 8.0 in bf16; the portable model has no MTP head (the
-dispatcher refuses ``method="mtp"`` where it is chosen, see test_qwen38_dispatch.py).
+MTP runs on stock's `Qwen4ExpMTP` on CUDA >= 8.0 in bf16 and on the portable drafter elsewhere
+(test_qwen38_mtp_drafter.py, test_qwen38_spec_verify_engine.py).
 """
 
 from __future__ import annotations

@@ -33,3 +33,9 @@ def test_registry_resolves_the_architecture_to_the_dispatcher(monkeypatch: pytes
     assert registered[-1] == "portable Qwen4ExpForCausalLM (CPU platform)"
     model_cls = ModelRegistry._try_load_model_cls("Qwen4ExpForCausalLM")
     assert getattr(model_cls, "is_qwen38_dispatcher", False)
+    # the MTP drafter goes through the same rule, and the text architecture's config hook wraps stock's
+    assert "Qwen4ExpMTP dispatcher (the same rule)" in registered
+    assert getattr(ModelRegistry._try_load_model_cls("Qwen4ExpMTP"), "is_qwen38_dispatcher", False)
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, Qwen4ExpForCausalLMConfig
+
+    assert MODELS_CONFIG_MAP["Qwen4ExpForCausalLM"].qwen38_wraps is Qwen4ExpForCausalLMConfig  # type: ignore[attr-defined]

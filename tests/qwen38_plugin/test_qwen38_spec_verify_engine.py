@@ -1,20 +1,27 @@
-"""The portable model's verify path in a real vLLM engine on CPU: greedy output with vLLM's n-gram
-proposer (1 and 4 speculative tokens) equals transformers' greedy output (which the engine gives
-without speculation, bit for bit in fp32: test_qwen38_vllm_engine.py), for concurrent requests of
-mixed lengths whose chunked prefills share steps with verify rows.
+"""MTP speculative decoding on the portable model in a real vLLM engine on CPU: the checkpoint's MTP
+head drafts (`qwen38_plugin.vllm_mtp`, chosen by the dispatcher for ``Qwen4ExpMTP``), the target
+verifies, and greedy output equals the output without speculation and transformers' greedy
+output, for five concurrent requests of 1-73 tokens whose chunked prefills (32 tokens a step)
+share steps with verify rows.
 
-The dispatcher still refuses ``--speculative-config`` for the portable model (it has no MTP drafter
-yet), so the engine script lifts the refusal for n-gram in its own process (`qwen38_engine_verify`).
-On the tiny random checkpoint the n-gram proposer's drafts are (almost) never right: what this
-proves is the verify rows and their rollback through vLLM's real GDN metadata builder, state
-slots and schedulers; accepting drafts (``num_accepted > 1``) is proven against the reference ops
-in test_qwen38_gdn_spec.py, test_qwen38_ple_spec.py and test_qwen38_qsa_spec.py.
+- The tiny random checkpoint with a random MTP head (``num_speculative_tokens`` 1 and 4): its
+  drafts are almost never right, so this proves the draft path (the proposer's buffers, the draft
+  layer's caches in vLLM's K/V group, the hidden-state buffer ``hc * H`` wide) and rejection.
+- The same checkpoint with an lm_head of two tokens (row X = w, row Y = -w, the other rows 0:
+  every argmax is X or Y, decided by the sign of the final hidden state's projection on w, which
+  depends on every layer and state): the head's drafts are accepted about half the time, so
+  verify steps keep 2-5 tokens and the GDN / PLE / QSA states roll from the slot of the last
+  accepted token. The same greedy output as transformers and as the engine without speculation.
+
+The engine script (`qwen38_engine_verify.py`) turns prefix caching off, which the dispatcher
+requires with speculation on CPU.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -31,6 +38,8 @@ from tests.qwen38_plugin.test_qwen38_vllm_engine import mixed_prompts
 
 HERE = Path(__file__).resolve().parent
 STEPS = 24
+MTP = {"mtp_num_hidden_layers": 1}
+TWO_TOKENS = (1_000, 2_000)
 
 
 def run_engine(model: Path, num_spec: int, prompts: list[list[int]], **llm_kwargs: Any) -> dict[str, Any]:
@@ -40,25 +49,65 @@ def run_engine(model: Path, num_spec: int, prompts: list[list[int]], **llm_kwarg
     return engine_result(subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False))
 
 
-@pytest.fixture(scope="module")
-def greedy(tiny_checkpoint: Callable[..., Path]) -> tuple[Path, list[list[int]], list[list[int]]]:
-    model = tiny_checkpoint("qwen4_exp_text")
-    # Each prompt of 3 or more tokens ends as it starts, so the n-gram proposer drafts at once.
-    prompts = [p + p[:3] if len(p) >= 3 else p for p in mixed_prompts(2)]
+def two_token_checkpoint(source: Path, target: Path) -> Path:
+    """``source`` with lm_head rows X = w, Y = -w and every other row 0."""
+    from safetensors.torch import load_file, save_file
+
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(source, target)
+    (weights,) = target.glob("*.safetensors")
+    tensors = load_file(weights)
+    head = tensors["lm_head.weight"]
+    w = torch.randn(head.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    head.zero_()
+    head[TWO_TOKENS[0]], head[TWO_TOKENS[1]] = w.to(head.dtype), (-w).to(head.dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return target
+
+
+def greedy_reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
     hf = load_reference(model, torch.float32)
     with torch.no_grad():
-        expected = [reference_greedy_one(hf, prompt, STEPS)[0] for prompt in prompts]
-    return model, prompts, expected
+        return [reference_greedy_one(hf, prompt, STEPS)[0] for prompt in prompts]
 
 
-# 1 and 4 (the widest MTP setting); 2 and 3 take the same path (about 50 s an engine start on 2 cores)
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return mixed_prompts(2)
+
+
+@pytest.fixture(scope="module")
+def random_head(tiny_checkpoint: Callable[..., Path], prompts: list[list[int]]) -> tuple[Path, list[list[int]]]:
+    model = tiny_checkpoint("qwen4_exp_text", overrides=MTP, dtype="float32")
+    return model, greedy_reference(model, prompts)
+
+
+# 1 and 4 (the widest); 2 and 3 take the same path (about 40 s an engine start on 2 cores)
 @pytest.mark.parametrize("num_spec", [1, 4])
-def test_ngram_speculation_keeps_greedy_output(
-    greedy: tuple[Path, list[list[int]], list[list[int]]], num_spec: int
+def test_mtp_speculation_keeps_greedy_output(
+    random_head: tuple[Path, list[list[int]]], prompts: list[list[int]], num_spec: int
 ) -> None:
-    model, prompts, expected = greedy
+    model, expected = random_head
     result = run_engine(model, num_spec, prompts, max_num_batched_tokens=32, max_num_seqs=8)
     counters = result["spec_decode"]
-    print(f"num_speculative_tokens={num_spec}: {counters}")
-    assert counters["spec_decode_num_draft_tokens"] > 0, "no draft was verified"
+    print(f"random MTP head, num_speculative_tokens={num_spec}: {counters}")
+    assert counters["spec_decode_num_drafts"] > 0 and counters["spec_decode_num_draft_tokens"] > 0
+    assert result["tokens"] == expected
+
+
+def test_accepted_mtp_drafts_roll_states_correctly(
+    random_head: tuple[Path, list[list[int]]], prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = two_token_checkpoint(random_head[0], tmp_path_factory.mktemp("two-token") / "model")
+    expected = greedy_reference(model, prompts)
+    assert {t for row in expected for t in row} == set(TWO_TOKENS)  # both tokens occur: the sign varies
+    plain = run_engine(model, 0, prompts, max_num_batched_tokens=32, max_num_seqs=8)
+    assert plain["tokens"] == expected
+    result = run_engine(model, 4, prompts, max_num_batched_tokens=32, max_num_seqs=8)
+    counters = result["spec_decode"]
+    rate = counters["spec_decode_num_accepted_tokens"] / counters["spec_decode_num_draft_tokens"]
+    print(f"two-token lm_head, num_speculative_tokens=4: {counters}, acceptance {rate:.2f}")
+    # accepted drafts (several per verify step) happened, and the output still follows transformers
+    assert counters["spec_decode_num_accepted_tokens"] >= 20 and rate > 0.2
     assert result["tokens"] == expected

@@ -40,6 +40,8 @@ DISPATCH_MODEL = "qwen38_plugin.vllm_dispatch:Qwen4ExpForCausalLM"
 MM_ARCHITECTURE = "Qwen4ExpForConditionalGeneration"
 # The same rule for images and video: stock's (encoder outputs owning their memory) or portable.
 MM_MODEL = "qwen38_plugin.vllm_mm_model:Qwen4ExpForConditionalGeneration"
+MTP_ARCHITECTURE = "Qwen4ExpMTP"
+MTP_MODEL = "qwen38_plugin.vllm_dispatch:Qwen4ExpMTP"
 
 
 def portable_model_reason() -> str | None:
@@ -97,6 +99,13 @@ def register_with_vllm() -> list[str]:
     # portable one, chosen per model by the same rule.
     ModelRegistry.register_model(MM_ARCHITECTURE, MM_MODEL)
     registered.append(f"{MM_ARCHITECTURE} dispatcher (the same rule)")
+    # The MTP drafter (stock's or the portable head, by the same rule) and the config hook that
+    # sizes vLLM's MTP proposer buffer for the target's hc * H residual streams.
+    ModelRegistry.register_model(MTP_ARCHITECTURE, MTP_MODEL)
+    registered.append(f"{MTP_ARCHITECTURE} dispatcher (the same rule)")
+    from qwen38_plugin.vllm_config_hook import install as install_config_hook
+
+    registered += install_config_hook()
     registered.append(summary)
 
     _announce(

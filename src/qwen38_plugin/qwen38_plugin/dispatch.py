@@ -37,12 +37,15 @@ if TYPE_CHECKING:
 
 ARCHITECTURE = "Qwen4ExpForCausalLM"
 MM_ARCHITECTURE = "Qwen4ExpForConditionalGeneration"
+# The MTP drafter vLLM builds for ``--speculative-config '{"method": "mtp", ...}'``.
+MTP_ARCHITECTURE = "Qwen4ExpMTP"
 PORTABLE_MODEL = "qwen38_plugin.vllm_model:PortableQwen4ExpForCausalLM"
 # Per architecture: the portable implementation, and stock's where the plugin wraps it (the
 # multimodal one: stock's class with encoder outputs owning their memory); else vLLM's table's.
 PORTABLE_MODELS = {
     ARCHITECTURE: PORTABLE_MODEL,
     MM_ARCHITECTURE: "qwen38_plugin.vllm_mm_model:PortableQwen4ExpForConditionalGeneration",
+    MTP_ARCHITECTURE: "qwen38_plugin.vllm_mtp:PortableQwen4ExpMTP",
 }
 STOCK_MODELS = {MM_ARCHITECTURE: "qwen38_plugin.vllm_mm_model:OwnedMemoryQwen4ExpForConditionalGeneration"}
 FORCE_ENV = "QWEN38_FORCE_PORTABLE"
@@ -62,6 +65,7 @@ class Target:
     capability: tuple[int, int] | None  # CUDA compute capability (None elsewhere)
     dtype: torch.dtype
     speculative_method: str | None = None
+    prefix_caching: bool = False
     pipeline_parallel_size: int = 1
     enable_hc_sp: bool = False
     # What stock's model needs from the checkpoint or the installation that is missing here.
@@ -154,13 +158,26 @@ def decide(target: Target, force: str | None) -> Choice:
 
 def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
     lacks = []
-    if target.speculative_method is not None:
-        # The verify path (GDN / PLE / QSA verify rows with rollback) is in place and tested, but
-        # there is no portable MTP drafter yet (README, "Speculative decoding"): refuse every method
-        # at startup until the MTP chain is proven through a real engine.
+    method = target.speculative_method
+    if method is not None and target.architecture == MM_ARCHITECTURE:
+        # The portable multimodal model keeps no pre-mixer streams for an MTP head (yet).
         lacks.append(
-            f"speculative method {target.speculative_method!r} (the portable model has no MTP drafter yet; "
-            "stock's Qwen4ExpMTP needs CUDA >= 8.0 in bfloat16): drop --speculative-config"
+            f"speculative method {method!r} with the multimodal {MM_ARCHITECTURE} (the portable drafter serves the "
+            "text-only Qwen4ExpForCausalLM): drop --speculative-config"
+        )
+    elif method not in (None, "mtp"):
+        # The portable drafter is the checkpoint's MTP head (README, "Speculative decoding");
+        # other proposers are not proven through a real engine here.
+        lacks.append(
+            f"speculative method {method!r} (the portable model drafts with its MTP head only): use "
+            '--speculative-config \'{"method": "mtp", ...}\' or drop --speculative-config'
+        )
+    if method is not None and target.prefix_caching and target.platform == "cpu":
+        # vLLM's V1 CPU runner copies mamba states for prefix caching while speculating ("align"
+        # mode) with a Triton kernel the CPU build cannot run: it would fail at the first step.
+        lacks.append(
+            "--enable-prefix-caching together with --speculative-config on CPU (vLLM's CPU runner cannot copy "
+            "the recurrent states for it): pass --no-enable-prefix-caching"
         )
     if target.pipeline_parallel_size > 1:
         lacks.append(f"pipeline_parallel_size={target.pipeline_parallel_size}: use --pipeline-parallel-size 1")
@@ -192,6 +209,7 @@ def target_of(
         capability=platform[1],
         dtype=dtype,
         speculative_method=spec.method if spec is not None else None,
+        prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         enable_hc_sp=bool(getattr(parallel, "enable_hc_sp", False)),
         stock_lacks=stock_lacks(vllm_config.model_config.hf_text_config, platform[0]),
@@ -246,21 +264,21 @@ def implementation(choice: Choice) -> type[nn.Module]:
     elif choice.architecture in STOCK_MODELS:
         module_name, class_name = STOCK_MODELS[choice.architecture].split(":")
     else:
-        module_name, class_name = stock_location()
+        module_name, class_name = stock_location(choice.architecture)
     model_cls = getattr(importlib.import_module(module_name), class_name)
     assert isinstance(model_cls, type) and issubclass(model_cls, nn.Module), model_cls
     return model_cls
 
 
-def stock_location() -> tuple[str, str]:
-    """Where vLLM's own registry table puts stock's Qwen4ExpForCausalLM (module, class)."""
+def stock_location(architecture: str = ARCHITECTURE) -> tuple[str, str]:
+    """Where vLLM's own registry table puts stock's `architecture` (module, class)."""
     from vllm.model_executor.models import registry
 
     table: dict[str, Any] = getattr(registry, "_VLLM_MODELS", {})
-    if ARCHITECTURE not in table:
+    if architecture not in table:
         raise DispatchError(
-            f"this vLLM's model table has no {ARCHITECTURE}: qwen38_plugin cannot find stock's implementation; "
+            f"this vLLM's model table has no {architecture}: qwen38_plugin cannot find stock's implementation; "
             f"set {FORCE_ENV}=1 to serve with the portable model"
         )
-    module, class_name = table[ARCHITECTURE]
+    module, class_name = table[architecture]
     return registry._resolve_module_name(module), class_name

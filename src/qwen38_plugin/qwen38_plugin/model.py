@@ -624,6 +624,13 @@ class Qwen4ExpCore(nn.Module):
         self, token_ids: torch.Tensor, positions: torch.Tensor, query_lens: Sequence[int], store: StateStore
     ) -> torch.Tensor:
         """New tokens of several sequences (``[N]``, sequence after sequence) -> final hidden ``[N, H]``."""
+        return self.forward_streams(token_ids, positions, query_lens, store)[0]
+
+    def forward_streams(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, query_lens: Sequence[int], store: StateStore
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_step`, also returning the residual streams before the final mixer ``[N, hc * H]``
+        (what the MTP head reads: `qwen38_plugin.mtp_reference`)."""
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -678,7 +685,7 @@ class Qwen4ExpCore(nn.Module):
             assert inject is not None
             streams = hyper_connection.hc_inject(streams, layer.mlp(x), inject)
         hidden, _ = self.model.hyper_connection_mixer.mix(streams)
-        return hidden
+        return hidden, streams
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather(self.lm_head(hidden))

@@ -8,8 +8,9 @@ model exists (hybrid state shapes and dtypes).
 The class reports, to vLLM's registry inspection (done once, before any config, and cached on
 disk by this file's hash), the interfaces of stock's `Qwen4ExpForCausalLM` (hybrid, inner state,
 PP, HC sequence parallelism, raw input tokens) plus ours' mamba prefix caching, so stock's keeps
-every feature it has. Where ours is chosen, the features it lacks (PP > 1, HC SP, MTP,
-quantization) are refused at startup by the rule.
+every feature it has. Where ours is chosen, the features it lacks (PP > 1, HC SP, speculative
+methods other than MTP, prefix caching with speculation on CPU) are refused at startup by the rule.
+`Qwen4ExpMTP` (the drafter of ``--speculative-config method "mtp"``) is dispatched the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from vllm.model_executor.models.interfaces import (
 
 from qwen38_plugin.dispatch import (
     ARCHITECTURE,
+    MTP_ARCHITECTURE,
     DispatchError,
     announce,
     choose,
@@ -50,12 +52,13 @@ def _chosen_class(vllm_config: VllmConfig) -> type[nn.Module]:
 # Class attributes vLLM reads from the registered class before building it, only to configure
 # quantization of stock's fused modules; the dispatcher hands out stock's (imported on first use).
 _STOCK_CLASS_ATTRIBUTES = ("packed_modules_mapping", "hf_to_vllm_mapper")
+_STOCK_ARCHITECTURES = {"Qwen4ExpMTP": MTP_ARCHITECTURE}
 
 
 class _DispatcherMeta(_ProtocolMeta):  # the interfaces are typing Protocols
     def __getattr__(cls, name: str) -> Any:
         if name in _STOCK_CLASS_ATTRIBUTES:
-            module_name, class_name = stock_location()
+            module_name, class_name = stock_location(_STOCK_ARCHITECTURES.get(cls.__name__, ARCHITECTURE))
             return getattr(getattr(importlib.import_module(module_name), class_name), name)
         raise AttributeError(f"type object {cls.__name__!r} has no attribute {name!r}")
 
@@ -147,3 +150,36 @@ class Qwen4ExpForCausalLM(
     @staticmethod
     def _current_config() -> VllmConfig:
         return current_config(ARCHITECTURE)
+
+
+class Qwen4ExpMTP(nn.Module, SupportsPP, SupportsHCSP, metaclass=_DispatcherMeta):
+    """The class registered as `Qwen4ExpMTP` (the drafter of ``--speculative-config method "mtp"``):
+    builds stock's or the portable MTP head by the target's rule (vLLM builds the drafter with the
+    target's `VllmConfig`, so both sides make the same choice); never itself a model."""
+
+    is_qwen38_dispatcher: ClassVar[bool] = True
+
+    def __new__(cls, *, vllm_config: VllmConfig, prefix: str = "") -> Any:
+        choice = choose(vllm_config, MTP_ARCHITECTURE)
+        announce(choice)
+        return implementation(choice)(vllm_config=vllm_config, prefix=prefix)
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:  # pragma: no cover
+        raise AssertionError("the Qwen4ExpMTP dispatcher is never instantiated itself")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor | None = None,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> Any:  # pragma: no cover
+        raise AssertionError("the Qwen4ExpMTP dispatcher is never instantiated itself")
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise AssertionError("the Qwen4ExpMTP dispatcher is never instantiated itself")
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:  # pragma: no cover
+        raise AssertionError("the Qwen4ExpMTP dispatcher is never instantiated itself")

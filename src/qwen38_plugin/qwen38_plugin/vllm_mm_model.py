@@ -225,7 +225,7 @@ class PortableQwen4ExpForConditionalGeneration(OwnedMemoryQwen4ExpForConditional
         return self.get_mamba_state_copy_funcs_from_config(self.vllm_config, mamba_types)
 
     def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
-        return None  # no MTP head (speculative decoding is refused for the portable model)
+        return None  # no MTP head (the dispatcher refuses speculation for the portable multimodal model)
 
     # -- forward --------------------------------------------------------------------------------
     def forward(

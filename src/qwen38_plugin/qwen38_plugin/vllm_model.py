@@ -175,6 +175,17 @@ class PortableQwen4ExpModel(nn.Module, EagleModelMixin):
             for i in range(config.num_hidden_layers)
         )
         self.hyper_connection_mixer = GatedResidual(config, inject=False)
+        # `[max tokens, hc * H]`, filled every step, only when an MTP head drafts (stock's buffer).
+        self.mtp_target_streams: torch.Tensor | None = None
+        spec = vllm_config.speculative_config
+        if spec is not None and spec.method == "mtp":
+            self.keep_mtp_target_streams(vllm_config.scheduler_config.max_num_batched_tokens, model_dtype(vllm_config))
+
+    def keep_mtp_target_streams(self, max_tokens: int, dtype: torch.dtype) -> None:
+        """Keep each step's pre-final-mixer streams for vLLM's MTP proposer (the V1 model runner
+        asks the target for them through `get_mtp_target_hidden_states`)."""
+        width = self.config.hc_count * self.config.hidden_size
+        self.mtp_target_streams = torch.empty(max_tokens, width, dtype=dtype, device=next(self.parameters()).device)
 
     def decoder_layers(self) -> list[PortableDecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, PortableDecoderLayer)]
@@ -197,7 +208,10 @@ class PortableQwen4ExpModel(nn.Module, EagleModelMixin):
         if len(self.layers) in self.aux_hidden_state_layers:
             streams, pending = apply_pending(streams, pending), None
             self._add_aux_hidden_state(aux, len(self.layers), streams)
-        _, normed = self.hyper_connection_mixer.norm(streams, *(pending or (None, None)))
+        streams, normed = self.hyper_connection_mixer.norm(streams, *(pending or (None, None)))
+        if self.mtp_target_streams is not None:
+            # The MTP head reads the streams before the final mixer (`get_mtp_target_hidden_states`).
+            self.mtp_target_streams[: streams.shape[0]].copy_(streams)
         hidden, _ = self.hyper_connection_mixer.mix_normed(normed)
         return (hidden, aux) if aux else hidden
 
@@ -286,6 +300,12 @@ class PortableQwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMa
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
+
+    def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
+        """The last step's residual streams before the final mixer, ``[max tokens, hc * H]`` (rows
+        of the step's tokens first), or None when no MTP head drafts: what vLLM's V1 model runner
+        hands an MTP proposer instead of the final hidden states (stock's Qwen4Exp does the same)."""
+        return self.model.mtp_target_streams
 
     # -- weights --------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

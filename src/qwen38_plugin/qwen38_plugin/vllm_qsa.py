@@ -171,9 +171,13 @@ class PortableQSAAttention(nn.Module):
             rotary.cos.device, rope_theta=config.rope_parameters["rope_theta"], rotary_dim=rotary.rotary_dim
         )
         # Not a submodule: it carries no weights; vLLM binds its caches through the forward context.
-        self._cache = (QSAKVCache(vllm_config, f"{prefix}.kv", self.num_kv_heads),)
+        self._cache = (self.make_cache(vllm_config, f"{prefix}.kv"),)
         # The custom op finds this layer (and through it the caches) by name.
         self.op_layer_name = vllm_ops.register_owner(vllm_config, prefix, self)
+
+    def make_cache(self, vllm_config: VllmConfig, prefix: str) -> QSAKVCache:
+        """The cache layers this attention registers with vLLM (an MTP draft layer registers fewer)."""
+        return QSAKVCache(vllm_config, prefix, self.num_kv_heads)
 
     @property
     def cache(self) -> QSAKVCache:

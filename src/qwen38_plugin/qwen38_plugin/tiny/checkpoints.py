@@ -202,6 +202,40 @@ def _randomize_zero_initialised(model: torch.nn.Module, generator: torch.Generat
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
 
 
+def _add_mtp_weights(path: Path, fields: dict[str, Any], dtype: torch.dtype, seed: int) -> None:
+    """Random ``mtp.*`` tensors (the multi-token-prediction head stock vLLM's `Qwen4ExpMTP` loads)
+    for ``mtp_num_hidden_layers`` QSA decoder layers, named as the checkpoint's first
+    ``indexed_attention`` layer; norms around 0 (used as 1 + w), linear weights of 1 / sqrt(fan-in)."""
+    from safetensors.torch import load_file, save_file
+
+    layer_types = fields.get("layer_types") or []
+    _require(
+        "indexed_attention" in layer_types, "mtp_num_hidden_layers", "the MTP layer is a QSA layer: layer_types "
+        "needs an indexed_attention layer to take its tensor names from",
+    )  # fmt: skip
+    source = f"model.layers.{layer_types.index('indexed_attention')}."
+    tensors = load_file(str(path))
+    hidden, width = fields["hidden_size"], fields["hidden_size"] * fields["hc_count"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "mtp.fc_embedding.weight": (hidden, hidden),
+        "mtp.fc_hidden.weight": (hidden, hidden),
+        "mtp.pre_fc_norm_embedding.weight": (hidden,),
+        "mtp.pre_fc_norm_hidden.weight": (width,),
+        "mtp.hyper_connection_mixer.hc_norm.weight": (width,),
+        "mtp.hyper_connection_mixer.input_mix_weight_down.weight": (fields["hc_lowrank"], width),
+        "mtp.hyper_connection_mixer.input_mix_weight_up.weight": (width, fields["hc_lowrank"]),
+    }
+    for n in range(int(fields["mtp_num_hidden_layers"])):
+        for name, tensor in sorted(tensors.items()):
+            if name.startswith(source):
+                shapes[f"mtp.layers.{n}.{name.removeprefix(source)}"] = tuple(tensor.shape)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, shape in shapes.items():
+        scale = 0.1 if "norm" in name or len(shape) == 1 else shape[-1] ** -0.5
+        tensors[name] = (torch.randn(shape, generator=generator) * scale).to(dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 def build_tiny_checkpoint(
     out_dir: str | Path,
     model_type: str = "qwen4_exp_text",
@@ -236,6 +270,9 @@ def build_tiny_checkpoint(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)
+        if fields.get("mtp_num_hidden_layers"):
+            assert isinstance(torch_dtype, torch.dtype)
+            _add_mtp_weights(staging / "model.safetensors", fields, torch_dtype, seed)
         ids = special_token_ids()
         generation = {"eos_token_id": [ids[EOS_TOKEN], ids[PAD_TOKEN]], "pad_token_id": ids[PAD_TOKEN]}
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

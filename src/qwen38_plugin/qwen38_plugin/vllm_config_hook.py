@@ -1,0 +1,81 @@
+"""The config hook of the ``Qwen4ExpForCausalLM`` architecture (vLLM's ``MODELS_CONFIG_MAP``):
+stock's, plus what vLLM's V1 MTP proposer needs to read the target's residual streams.
+
+An MTP head for this model reads the target's streams before its final mixer, ``[T, hc * H]``
+(`get_mtp_target_hidden_states`). vLLM's V1 proposer (``v1/spec_decode/llm_base_proposer.py``,
+the one the CPU model runner uses) sizes its hidden-state buffer ``draft hidden_size`` wide, times
+``hc_mult`` only when the draft's config also has ``compress_ratios`` (its test for a DeepSeek V4
+draft, whose MTP reads the same kind of streams). vLLM's own MTP override already sets ``hc_mult``
+(= ``hc_count``) on the Qwen4Exp draft config; `widen_draft_hidden_buffer` adds
+``compress_ratios`` (each draft layer's QSA ``indexer_compress_ratio``) to the draft config alone,
+before the proposer is built, so the buffer is ``hc * H`` wide. No vLLM function is replaced.
+The V2 model runner's speculator widens by ``hc_mult`` on its own (keyed on the target having
+`get_mtp_target_hidden_states`) and never reads ``compress_ratios``.
+
+The hook runs for stock's and the portable model alike (the buffer is the proposer's, whichever
+model drafts). Imported by `qwen38_plugin.register()` only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from qwen38_plugin.dispatch import ARCHITECTURE, logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+DRAFT_MODEL_TYPE = "qwen4_exp_mtp"
+
+
+def widen_draft_hidden_buffer(vllm_config: VllmConfig) -> bool:
+    """Make vLLM's V1 MTP proposer size its hidden-state buffer ``hc * H`` (see the module
+    docstring). True when the draft config was changed (or already was as needed)."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "mtp" or spec.draft_model_config is None:
+        return False
+    draft = spec.draft_model_config.hf_config
+    if getattr(draft, "model_type", None) != DRAFT_MODEL_TYPE:
+        return False
+    text = spec.draft_model_config.hf_text_config
+    hc = int(getattr(draft, "hc_mult", 0) or 0)
+    if hc != int(text.hc_count):
+        raise ValueError(
+            f"speculative draft config: hc_mult is {hc or 'unset'}, the checkpoint's hc_count is {text.hc_count}; "
+            "vLLM's MTP config override sets hc_mult = hc_count (this vLLM does not: use a supported vLLM)"
+        )
+    if not hasattr(draft, "compress_ratios"):
+        layers = int(getattr(draft, "n_predict", None) or 1)
+        draft.compress_ratios = [int(getattr(text, "indexer_compress_ratio", None) or 1)] * layers
+        logger.info(
+            "qwen38_plugin: MTP draft reads the target's %d residual streams: vLLM's proposer buffer is %d x %d wide",
+            hc, hc, text.hidden_size,
+        )  # fmt: skip
+    return True
+
+
+def install() -> list[str]:
+    """Wrap stock's ``MODELS_CONFIG_MAP`` entry for the text architecture (idempotent)."""
+    from vllm.model_executor.models import config as models_config
+
+    table: dict[str, Any] = models_config.MODELS_CONFIG_MAP
+    stock = table.get(ARCHITECTURE)
+    if stock is None:
+        raise RuntimeError(
+            f"this vLLM has no config hook for {ARCHITECTURE} (MODELS_CONFIG_MAP): qwen38_plugin expects stock "
+            "vLLM's Qwen4Exp support; install a supported vLLM"
+        )
+    if getattr(stock, "qwen38_wraps", None) is not None:
+        return []
+    stock_hook = stock.verify_and_update_config
+
+    class Qwen4ExpForCausalLMConfig(stock):  # type: ignore[misc, valid-type]
+        qwen38_wraps = stock
+
+        @staticmethod
+        def verify_and_update_config(vllm_config: VllmConfig) -> None:
+            stock_hook(vllm_config)
+            widen_draft_hidden_buffer(vllm_config)
+
+    table[ARCHITECTURE] = Qwen4ExpForCausalLMConfig
+    return [f"{ARCHITECTURE} config hook (MTP draft buffer of hc * H)"]

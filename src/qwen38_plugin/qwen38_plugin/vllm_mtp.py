@@ -1,0 +1,306 @@
+"""The portable MTP drafter: the checkpoint's ``mtp.*`` head served as ``Qwen4ExpMTP`` by vLLM's V1
+proposer where stock's cannot run (CPU, CUDA < 8.0, fp16 / fp32; the dispatcher's rule).
+
+Semantics are stock's `Qwen4ExpMTP` (``vllm/models/qwen4_exp/nvidia/mtp.py``); the plain-torch
+oracle is `qwen38_plugin.mtp_reference`. At each token the head reads the target's residual streams
+before its final mixer (``[T, hc * H]``, `PortableQwen4ExpForCausalLM.get_mtp_target_hidden_states`,
+or its own output streams in later draft steps) and the next token:
+
+    streams = fc_hidden(norm_h(streams)) + expand(fc_embedding(norm_e(embed(token))))
+    streams = the QSA decoder layer (hyper-connections, MoE, no PLE) on streams
+
+and returns the layer's output streams; `compute_logits` applies the head's final mixer and the
+lm_head. vLLM's V1 proposer uses one output tensor for both (the next step's hidden states and
+the logits' input), shares the target's embedding and lm_head, and always runs layer 0.
+
+What V1's proposer imposes, and how this module meets it:
+
+- every draft layer in one KV-cache group: a draft QSA layer registers only its K/V with vLLM,
+  the same `FullAttentionSpec` as the target's QSA K/V (so it joins that group and its block
+  table). The indexer's raw keys and compressed block keys live in side tensors allocated when
+  vLLM binds the K/V cache, indexed by the same K/V block ids: the raw key of position p at its
+  K/V slot, the key of group g in block ``table[g * ratio // B]`` row ``g % (B / ratio)``. The
+  ratio divides the block size, so a group never spans two blocks and the paged raw keys serve
+  as `qsa_paged.group_keys`' ring (one ring block per token). These side tensors are outside
+  vLLM's KV-cache memory accounting (logged at bind time; README);
+- the hidden-state buffer ``hc * H`` wide: `widen_draft_hidden_buffer` (the target
+  architecture's config hook, `qwen38_plugin.vllm_config_hook`).
+
+This module imports vLLM; it is loaded only when vLLM builds the drafter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.qwen3_next import Qwen3NextSparseMoeBlock
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+
+from qwen38_plugin import vllm_ops
+from qwen38_plugin.model import ConfigError, GatedResidual
+from qwen38_plugin.mtp_reference import mtp_layer_count
+from qwen38_plugin.ops import hyper_connection, qsa_paged
+from qwen38_plugin.vllm_qsa import GemmaNorm, PortableQSAAttention, RotaryTable
+from qwen38_plugin.vllm_qsa_cache import QSAKVCache, QSAMetadata, _CacheLayer, model_dtype
+
+logger = logging.getLogger("vllm.plugins.qwen38_plugin")
+
+# Checkpoint names (``mtp.*`` -> ``model.*``) to the fused vLLM modules.
+_MTP_WEIGHTS_MAPPER = WeightsMapper(
+    orig_to_new_stacked={
+        ".q_proj": (".qkv_proj", "q"),
+        ".k_proj": (".qkv_proj", "k"),
+        ".v_proj": (".qkv_proj", "v"),
+        ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
+        ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
+    },
+)
+
+
+class DraftQSAKVCache(QSAKVCache):
+    """A draft QSA layer's caches: K/V registered with vLLM (the target's K/V spec, so the same
+    KV-cache group), the indexer's raw keys ``[NB, 1, B, Di]`` and block keys
+    ``[NB, 1, B / ratio, Di]`` in side tensors sized from the bound K/V cache's block count."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str, num_kv_heads: int) -> None:
+        _CacheLayer.__init__(self, vllm_config, prefix)
+        config = vllm_config.model_config.hf_text_config
+        self.head_dim = config.head_dim
+        self.num_kv_heads = num_kv_heads
+        self.ring = None
+        self.block_keys = None
+        self.ratio = int(config.indexer_compress_ratio or 1) if config.indexer_budget is not None else 0
+        self.index_dim = int(config.indexer_head_dim or 0)
+        self.raw_keys = torch.empty(0)
+        self.group_key_cache = torch.empty(0)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        super().bind_kv_cache(kv_cache)
+        if not self.ratio:
+            return
+        blocks, _, block_size, _ = self.kv_cache.shape
+        if block_size % self.ratio:
+            raise ConfigError(
+                f"MTP draft QSA: the K/V block size {block_size} is not a multiple of indexer_compress_ratio "
+                f"{self.ratio}; use a --block-size that is a multiple of {self.ratio}"
+            )
+        device = self.kv_cache.device
+        self.raw_keys = torch.zeros(blocks, 1, block_size, self.index_dim, dtype=self.dtype, device=device)
+        self.group_key_cache = torch.zeros(
+            blocks, 1, block_size // self.ratio, self.index_dim, dtype=self.dtype, device=device
+        )
+        side = self.raw_keys.nbytes + self.group_key_cache.nbytes
+        logger.info(
+            "qwen38_plugin: MTP draft layer %s keeps its indexer keys in %.2f MiB outside vLLM's KV-cache "
+            "accounting (%d blocks of %d tokens: raw keys and compressed block keys; its K/V: %.2f MiB in the cache)",
+            self.prefix, side / 2**20, blocks, block_size, self.kv_cache.nbytes / 2**20,
+        )  # fmt: skip
+
+
+class DraftQSAAttention(PortableQSAAttention):
+    """The MTP head's QSA attention (the target's projections and ops, `DraftQSAKVCache` caches)."""
+
+    def make_cache(self, vllm_config: VllmConfig, prefix: str) -> QSAKVCache:
+        return DraftQSAKVCache(vllm_config, prefix, self.num_kv_heads)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        gate: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index_q: torch.Tensor | None,
+        raw_keys: torch.Tensor | None,
+        positions: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        cache = self.cache
+        assert isinstance(cache, DraftQSAKVCache)
+        meta: QSAMetadata | None = vllm_ops.step_metadata(cache.prefix)
+        if meta is None:  # vLLM's profiling run: no requests, no caches
+            out.zero_()
+            return
+        n = meta.num_tokens
+        if q.shape[0] != n:
+            out[n:].zero_()
+            q, gate, k, v, out = q[:n], gate[:n], k[:n], v[:n], out[:n]
+            index_q = None if index_q is None else index_q[:n]
+            raw_keys = None if raw_keys is None else raw_keys[:n]
+        if positions.dim() != 1:
+            raise RuntimeError("the portable MTP drafter runs 1-D positions only (vLLM's draft for a text target)")
+        positions = meta.positions[:n]
+        qsa_paged.write_kv(cache.kv_cache, meta.slots, k, v)
+        selected = None
+        if self.indexer is not None:
+            assert index_q is not None and raw_keys is not None
+            block_size = cache.kv_cache.shape[2]
+            # The step's raw keys first, at their K/V slots; then every member of a group is read
+            # from the paged raw keys: each token is its own "request" whose ring block is the
+            # K/V block of its position (the whole group lies in it), and no member counts as
+            # this step's row (step start past the token).
+            qsa_paged.write_rows(cache.raw_keys, meta.slots, raw_keys)
+            real = meta.token_req >= 0
+            req = meta.token_req.long().clamp(min=0)
+            table = meta.block_table
+            token_block = table[req, (positions // block_size).clamp(0, table.shape[1] - 1)]
+            own_row = torch.where(real, torch.arange(n, device=q.device, dtype=torch.int32), -1)
+            group_keys = qsa_paged.group_keys(
+                raw_keys, cache.raw_keys, token_block, own_row, positions, (positions + 1).to(torch.int32),
+                ratio=self.ratio, k_norm_weight=self.indexer.k_layernorm.weight, eps=self.config.rms_norm_eps,
+                rope_theta=self.config.rope_parameters["rope_theta"], rotary_dim=self.index_rotary_dim,
+            )  # fmt: skip
+            key_slots = qsa_paged.key_slots(meta.token_req, positions, table, block_size=block_size, ratio=self.ratio)
+            # A draft past max_model_len has no K/V slot (vLLM clamps its position): store nothing.
+            key_slots = torch.where(meta.slots >= 0, key_slots, -1)
+            qsa_paged.write_rows(cache.group_key_cache, key_slots, group_keys)
+            selected = qsa_paged.index_topk(
+                index_q, cache.group_key_cache, table, meta.token_req, positions,
+                ratio=self.ratio, topk=self.topk, max_groups=self.max_groups,
+            )  # fmt: skip
+        qsa_paged.sparse_attention(
+            q, gate, cache.kv_cache, meta.block_table, meta.token_req, positions, selected,
+            ratio=self.ratio, scale=self.scale, out=out,
+        )  # fmt: skip
+
+
+class MTPDecoderLayer(nn.Module):
+    """A QSA decoder layer without PLE (stock builds it with ``layer_type="qwen_sparse_attention"``)."""
+
+    def __init__(self, vllm_config: VllmConfig, rotary: RotaryTable, prefix: str) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.self_attn = DraftQSAAttention(vllm_config, config, rotary, prefix=f"{prefix}.self_attn")
+        self.mlp = Qwen3NextSparseMoeBlock(vllm_config, prefix=f"{prefix}.mlp")
+        self.attn_hyper_connection = GatedResidual(config)
+        self.mlp_hyper_connection = GatedResidual(config)
+
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, inject = self.attn_hyper_connection.mix(streams)
+        assert inject is not None
+        streams = hyper_connection.hc_inject(streams, self.self_attn(positions, x), inject)
+        x, inject = self.mlp_hyper_connection.mix(streams)
+        assert inject is not None
+        return hyper_connection.hc_inject(streams, self.mlp(x), inject)
+
+
+class PortableMultiTokenPredictor(nn.Module):
+    """The ``mtp.*`` tensors (named ``model.*`` here) and the head's step."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        count = mtp_layer_count(config)
+        if count < 1:
+            raise ConfigError(
+                f"mtp_num_hidden_layers: {count}; the checkpoint has no MTP head, so --speculative-config "
+                "method 'mtp' cannot draft (drop --speculative-config, or serve a checkpoint with mtp.* tensors)"
+            )
+        self.config = config
+        h, hc = config.hidden_size, config.hc_count
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, prefix=f"{prefix}.embed_tokens")
+        self.fc_embedding = ReplicatedLinear(h, h, bias=False, prefix=f"{prefix}.fc_embedding")
+        self.fc_hidden = ReplicatedLinear(h, h, bias=False, prefix=f"{prefix}.fc_hidden")
+        self.pre_fc_norm_embedding = GemmaNorm(h, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = GemmaNorm(hc * h, config.rms_norm_eps)
+        rotary = RotaryTable.from_config(config, vllm_config.model_config.max_model_len, model_dtype(vllm_config))
+        self.layers = nn.ModuleList(
+            MTPDecoderLayer(vllm_config, rotary, prefix=f"{prefix}.layers.{i}") for i in range(count)
+        )
+        self.hyper_connection_mixer = GatedResidual(config, inject=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> torch.Tensor:
+        c = self.config
+        hc, h = c.hc_count, c.hidden_size
+        if inputs_embeds is None:
+            assert input_ids is not None
+            inputs_embeds = self.embed_tokens(input_ids)
+        embeds, _ = self.fc_embedding(self.pre_fc_norm_embedding(inputs_embeds))
+        normed = self.pre_fc_norm_hidden(hidden_states)
+        projected, _ = self.fc_hidden(normed.reshape(-1, h))  # shared by the hc streams
+        streams = projected.reshape(-1, hc * h) + hyper_connection.hc_expand(embeds, hc)
+        layer = self.layers[spec_step_idx % len(self.layers)]
+        assert isinstance(layer, MTPDecoderLayer)
+        return layer(streams, positions)
+
+
+class PortableQwen4ExpMTP(nn.Module):
+    """`Qwen4ExpMTP` for vLLM on CPU, CUDA < 8.0 and fp16 / fp32 (see the module docstring).
+
+    ``forward`` returns the head layer's output streams ``[T, hc * H]`` (the next draft step's
+    hidden states); ``compute_logits`` mixes them and applies the lm_head."""
+
+    is_portable_qwen4exp: ClassVar[bool] = True
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        from qwen38_plugin.vllm_model import check_vllm_config
+
+        check_vllm_config(vllm_config)  # the target's config: the same refusals (RoPE type, DCP, TP)
+        config = vllm_config.model_config.hf_text_config
+        if config.output_gate_type is None:
+            config.output_gate_type = config.hidden_act
+        self.config = config
+        # Layer names "mtp.*": the target's own layers are "model.*".
+        self.model = PortableMultiTokenPredictor(vllm_config, prefix="mtp")
+        # Replaced by the target's lm_head and embedding when vLLM's proposer loads the drafter.
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="mtp.lm_head")
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor | None = None,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> torch.Tensor:
+        if hidden_states is None:
+            raise ValueError("the MTP drafter needs the target's hidden states (vLLM's proposer passes them)")
+        return self.model(input_ids, positions, hidden_states, inputs_embeds, spec_step_idx)
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.model.hyper_connection_mixer.mix(streams)
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, self.final_hidden(hidden_states))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The checkpoint's ``mtp.*`` tensors (others skipped). The embedding and lm_head are the
+        target's: vLLM's V1 proposer shares them right after loading (stock's MTP does the same)."""
+
+        def mtp_tensors() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                name = name.removeprefix("model.language_model.").removeprefix("language_model.")
+                name = name.removeprefix("model.")
+                if not name.startswith("mtp."):
+                    continue
+                if name.startswith(("mtp.shared_head.", "mtp.hyper_connection_mixer.block_inject_weight")):
+                    continue  # V1 shares the target's lm_head; the final mixer has no injection
+                yield "model." + name.removeprefix("mtp."), tensor
+
+        loaded = AutoWeightsLoader(self).load_weights(mtp_tensors(), mapper=_MTP_WEIGHTS_MAPPER)
+        return loaded | {"lm_head.weight", "model.embed_tokens.weight"}
