@@ -1,12 +1,13 @@
 """Load checkpoints with stock vLLM's model loader in this process, as an engine's worker does at startup.
 
-    python load_only.py LOAD_FORMAT MODEL [MODEL ...]
+    python load_only.py LOAD_FORMAT [KEY=VALUE ...] MODEL [MODEL ...]
 
 For each MODEL: build vLLM's config for it (``EngineArgs``, this repository's plugins registered as
 vLLM registers them), then ``get_model_loader(load_config).load_model(...)``: the model is built and
 its weights loaded and processed exactly as at engine startup, without the engine's processes, KV
-cache or profiling run. Prints one JSON line per model: ``{"model": ..., "loaded": true}`` or
-``{"model": ..., "error": "<type>: <message>"}``.
+cache or profiling run. ``KEY=VALUE`` arguments are further `EngineArgs` fields for every model
+(strings, e.g. ``quantization=awq_sm70``). Prints one JSON line per model:
+``{"model": ..., "loaded": true}`` or ``{"model": ..., "error": "<type>: <message>"}``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ def main() -> int:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    load_format, models = sys.argv[1], sys.argv[2:]
+    load_format, rest = sys.argv[1], sys.argv[2:]
+    extra = dict(arg.split("=", 1) for arg in rest if "=" in arg)
+    models = [arg for arg in rest if "=" not in arg]
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
-            args = EngineArgs(model=model, load_format=load_format, enforce_eager=True, max_model_len=256)
+            args = EngineArgs(model=model, load_format=load_format, enforce_eager=True, max_model_len=256, **extra)
             vllm_config = args.create_engine_config()
             with set_current_vllm_config(vllm_config):
                 if not model_parallel_is_initialized():

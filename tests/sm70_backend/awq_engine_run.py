@@ -3,9 +3,9 @@
     python awq_engine_run.py MODEL OUT.json
 
 Writes the quantization vLLM chose, the quantization method class of every linear layer, the
-attention implementation class of every attention layer, and for each prompt the greedy tokens
-with their logprobs and the prompt logprobs (of the prompt's own tokens). Run as a subprocess
-(engine processes spawn), under the shared engine lock.
+attention implementation class of every attention layer, the dtype of every parameter, and for
+each prompt the greedy tokens with their logprobs and the prompt logprobs (of the prompt's own
+tokens). Run as a subprocess (engine processes spawn), under the shared engine lock.
 
 On a GPU, ``SM70_ENGINE_ATTENTION_BACKEND`` names the attention backend to ask for (e.g.
 ``FLASH_ATTN_V100``, which vLLM picks by itself only on compute capability 7.x) and
@@ -37,6 +37,10 @@ def attention_impls(worker) -> dict[str, str]:  # type: ignore[no-untyped-def]
     }
 
 
+def parameter_dtypes(worker) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    return {name: str(p.dtype).removeprefix("torch.") for name, p in worker.model_runner.model.named_parameters()}
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
 
@@ -52,6 +56,7 @@ def main() -> None:
         "quantization": llm.llm_engine.model_config.quantization,
         "methods": llm.collective_rpc(layer_methods)[0],
         "attention_impls": llm.collective_rpc(attention_impls)[0],
+        "parameters": llm.collective_rpc(parameter_dtypes)[0],
         "requests": [
             {
                 "prompt_ids": list(o.prompt_token_ids),

@@ -144,6 +144,29 @@ def test_bad_quantization_configs_fail_at_startup_naming_the_set(
         VllmConfig._get_quantization_config(mc, LoadConfig())
 
 
+def test_derived_unconverted_layers_leave_out_modules_holding_quantized_layers(registered: list[str]) -> None:
+    """Without ``modules_to_not_convert`` the floating-point layers are derived from the
+    checkpoint; a Gated DeltaNet module's own ``A_log`` must not make it one: layers match by
+    substring, so its quantized projections would be built unquantized and their qweight unloadable
+    (the AWQ Qwen4Exp of test_qwen38_quantization.py loads through this)."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+    from sm70_backend.awq_config import floating_point_layers
+
+    gdn = "model.layers.0.linear_attn"
+    metadata = {
+        f"{gdn}.A_log": {"dtype": "F32"},
+        f"{gdn}.in_proj_qkv.qweight": {"dtype": "I32"},
+        f"{gdn}.in_proj_qkv.scales": {"dtype": "F16"},
+        f"{gdn}.in_proj_b.weight": {"dtype": "F16"},
+        "model.layers.0.mlp.gate.weight": {"dtype": "BF16"},
+    }
+    unconverted = floating_point_layers(metadata)
+    assert unconverted == [f"{gdn}.in_proj_b", "model.layers.0.mlp.gate"]
+    assert not is_layer_skipped(f"{gdn}.in_proj_qkv", unconverted, match_mode="substring")
+    assert is_layer_skipped("model.layers.0.mlp.gate", unconverted, match_mode="substring")
+
+
 def test_shapes_and_dtypes_the_kernels_cannot_run_fail_when_the_layer_is_built(vllm_context: None) -> None:
     from vllm.model_executor.layers.linear import ReplicatedLinear
 

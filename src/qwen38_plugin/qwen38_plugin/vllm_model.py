@@ -59,6 +59,7 @@ from qwen38_plugin.vllm_gdn import (
 from qwen38_plugin.vllm_ple import NGramTable, PortablePLE
 from qwen38_plugin.vllm_qsa import PortableQSAAttention, RotaryTable
 from qwen38_plugin.vllm_qsa_cache import model_dtype
+from qwen38_plugin.vllm_quant import configure_quantization
 
 # Checkpoint names -> the fused vLLM modules (shard ids as vLLM's loaders expect them).
 _WEIGHTS_MAPPER = WeightsMapper(
@@ -238,6 +239,7 @@ class PortableQwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMa
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         check_vllm_config(vllm_config)
+        configure_quantization(vllm_config, self.packed_modules_mapping)
         config = vllm_config.model_config.hf_text_config
         if config.output_gate_type is None:
             # transformers gates the GDN output with hidden_act when the field is unset;

@@ -131,21 +131,17 @@ class Sm70AwqConfig(QuantizationConfig):
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
         """As stock's AWQ: without ``modules_to_not_convert``, every layer whose checkpoint tensors are
-        all floating point (e.g. a MoE router ``mlp.gate``) stays unquantized."""
+        all floating point (e.g. a MoE router ``mlp.gate``) stays unquantized, except a module that
+        holds quantized layers itself: a Gated DeltaNet layer's own ``A_log`` / ``dt_bias`` make
+        ``...linear_attn`` a floating-point "layer", which (layers match by substring) would
+        otherwise leave its quantized ``in_proj_qkvz`` / ``out_proj`` unquantized and their
+        ``qweight`` unloadable (stock's AWQ configs list it, vLLM 0.32)."""
         if self.modules_to_not_convert:
             return
-        from safetensors.torch import _TYPES
         from vllm.transformers_utils.config import get_safetensors_params_metadata
 
-        floating = (torch.float16, torch.bfloat16, torch.float32)
         metadata = get_safetensors_params_metadata(model_name, revision=revision)
-        layers = {name.rsplit(".", 1)[0] for name in metadata}
-        quantized = {
-            name.rsplit(".", 1)[0]
-            for name, info in metadata.items()
-            if (dtype := info.get("dtype")) and _TYPES[dtype] not in floating
-        }
-        self.modules_to_not_convert = sorted(layers - quantized)
+        self.modules_to_not_convert = floating_point_layers(metadata)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
         if isinstance(layer, LinearBase | RoutedExperts) and not _announced:
@@ -167,6 +163,22 @@ class Sm70AwqConfig(QuantizationConfig):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
             return Sm70AwqMoEMethod(self, layer.moe_config, prefix)
         return None
+
+
+def floating_point_layers(metadata: dict[str, Any]) -> list[str]:
+    """The layers (tensor names less their last part) of a checkpoint's safetensors ``metadata``
+    whose tensors are all fp16 / bf16 / fp32 and none of whose sublayers holds another dtype."""
+    from safetensors.torch import _TYPES
+
+    floating = (torch.float16, torch.bfloat16, torch.float32)
+    layers = {name.rsplit(".", 1)[0] for name in metadata}
+    quantized = {
+        name.rsplit(".", 1)[0]
+        for name, info in metadata.items()
+        if (dtype := info.get("dtype")) and _TYPES[dtype] not in floating
+    }
+    holding_quantized = {layer.rsplit(".", n)[0] for layer in quantized for n in range(layer.count(".") + 1)}
+    return sorted(layers - holding_quantized)
 
 
 def _check_dtype(params_dtype: torch.dtype, prefix: str) -> None:
