@@ -18,8 +18,10 @@
 #      decode benchmark in both modes and the peer (GPU 1).
 #   e: after a kernel change: the kernels' CUDA tests and fp16 exactness with graphs (GPU 1); the decode
 #      benchmark beside vLLM's own peer model, then the profile (GPU 0).
-#   c: GPU 1: exactness in vLLM's V1 model runner, then fp16 eager in V2; meanwhile CSF's kernels, CSF served against its sources at
-#      TP=1 and TP=2, its load overhead and the Qwen4Exp NVFP4-CSF check (CSF_BUDGET seconds).
+#   c: CSF's kernels and both codecs served against their sources at TP=1 (GPU 0); meanwhile the
+#      Qwen4Exp NVFP4-CSF check (GPU 1).
+#   t: CSF at TP=2 on both GPUs, then its load overhead (after c; CSF_BUDGET seconds).
+#   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
 #
 # This checkout's sources come first on PYTHONPATH (the kit's plugin wheels give the entry points).
 # Every child has a time limit; each part ends by packing its results into OUT/<part>.tar.gz
@@ -68,22 +70,27 @@ b)
         --bench-args "--modes graphs,peer,peer-hybrid,graphs-noprefix,compiled --repeats 2" >"$res/bench.log" 2>&1
     ;;
 c)
-    # the V1 runner on GPU 1 while CSF's TP=1 serving runs on GPU 0; then CSF's two-GPU steps
-    (
-        export CUDA_VISIBLE_DEVICES=1
-        timeout $(lim 250) $q38 "$res/exact-v1" --only exact --runners v1 --dtypes float16 \
-            --modes graphs,eager --work $work/q38
-        # fp16 eager in the default (V2) runner, which part a's compiled mode left no time for
-        timeout $(lim 120) $q38 "$res/exact-fp16-eager" --only exact --runners v2 --dtypes float16 \
-            --modes eager --work $work/q38
-    ) >"$res/gpu1.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=0 timeout $(lim 250) $csf "$res/csf-serve" --only kernels,serve --budget 240 \
-        --work $work/csf \
-        >"$res/csf-serve.log" 2>&1
+    # CSF (issue 14 item 2): the tiny Qwen4Exp's NVFP4-CSF on GPU 1 while GPU 0 runs CSF's kernels and
+    # serves both codecs at TP=1 against their sources (each served again where outputs differ)
+    CUDA_VISIBLE_DEVICES=1 timeout $(lim 300) $csf "$res/csf-qwen4exp" --only qwen4exp --budget 290 \
+        --work $work/csf >"$res/csf-qwen4exp.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout $(lim 500) $csf "$res/csf-serve" --only kernels,serve --budget 490 \
+        --work $work/csf >"$res/csf-serve.log" 2>&1
     wait
-    budget=${CSF_BUDGET:-200}
-    timeout $(lim $((budget + 10))) $csf "$res/csf" --only tp2,load,qwen4exp --budget "$budget" --work $work/csf \
+    ;;
+t)
+    # CSF at TP=2 on both GPUs, then the load overhead (after part c built the checkpoints)
+    budget=${CSF_BUDGET:-520}
+    timeout $(lim $((budget + 10))) $csf "$res/csf" --only tp2,load --budget "$budget" --work $work/csf \
         >"$res/csf.log" 2>&1
+    ;;
+v)
+    # vLLM's V1 model runner on GPU 1 (fp16, CUDA graphs and eager) while GPU 0 runs fp16 eager in V2
+    CUDA_VISIBLE_DEVICES=1 timeout $(lim 250) $q38 "$res/exact-v1" --only exact --runners v1 --dtypes float16 \
+        --modes graphs,eager --work $work/q38 >"$res/gpu1.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout $(lim 150) $q38 "$res/exact-fp16-eager" --only exact --runners v2 \
+        --dtypes float16 --modes eager --work $work/q38 >"$res/gpu0.log" 2>&1
+    wait
     ;;
 p)
     # where a decode step goes (GPU 0: torch profiler, breakable CUDA graphs then torch.compile) while
@@ -147,7 +154,7 @@ e)
     wait
     ;;
 *)
-    echo "part: a, b, c, d, e, p or s" >&2
+    echo "part: a, b, c, d, e, p, s, t or v" >&2
     exit 2
     ;;
 esac

@@ -44,6 +44,7 @@ fraction of the roofline and the ratio to transformers. Results: OUT_DIR/bench_g
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -243,6 +244,9 @@ def child_vllm(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"enforce_eager": args.mode.startswith("eager")}  # else vLLM's default
     if args.mode.endswith("-noprefix"):
         kwargs["enable_prefix_caching"] = False
+    if args.mode == "peer-hybrid" and importlib.util.find_spec("flashinfer") is None:
+        # stock's GDN picks FlashInfer's prefill on Hopper; without it, its Triton prefill (as ours)
+        kwargs["additional_config"] = {"gdn_prefill_backend": "triton"}
     llm = LLM(
         model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 16, seed=0,
         max_num_seqs=max(args.batches), max_num_batched_tokens=max(8192, args.prompt_len * 8),

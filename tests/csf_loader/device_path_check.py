@@ -86,7 +86,9 @@ def same(host: Stream, dev: Stream, device: torch.device, label: str) -> None:
         ok = ok and torch.equal(h.contiguous().view(torch.uint8).cpu(), d.contiguous().view(torch.uint8).cpu())
         check(ok, f"{label}: {name} differs ({h.dtype} {list(h.shape)} vs {d.dtype} {list(d.shape)})")
         if name.endswith(("weight_scale", "scale", "scales")) and h.element_size() == 1:
-            check(d.device == device, f"{label}: {name} decoded on {d.device}, not {device}")
+            # "cuda" names the current CUDA device: a plane decoded on cuda:0 is on it
+            here = d.device.type == device.type and device.index in (None, d.device.index)
+            check(here, f"{label}: {name} decoded on {d.device}, not {device}")
 
 
 def error_of(run: Callable[[], object]) -> str:
