@@ -145,3 +145,36 @@ def test_align_block_size_sorts_rows_into_expert_blocks(
     topk_ids[0, 0] = -1
     sorted_ids, _, _ = ref.align_block_size(topk_ids, num_experts, block_m)
     assert 0 not in sorted_ids.tolist() and sorted_ids.lt(numel).sum() == numel - 1
+
+
+def test_linear_op_is_one_opaque_call_under_torch_compile() -> None:
+    # vLLM compiles the model on CUDA by default; the launch code (raw pointers, alignment checks)
+    # cannot be traced, so the layer calls a torch custom op. A full-graph compile of a function
+    # around it must succeed (Dynamo refuses a graph break here) and give the eager result, for
+    # two batch sizes through one dynamic graph.
+    from sm70_backend.kernels import awq
+
+    g = torch.Generator().manual_seed(3)
+    qweight, qzeros, scales = ref.quantize_awq((torch.randn(128, 64, generator=g) * 0.05).half(), 32)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return awq.awq_linear_op(x * 2, qweight, qzeros, scales) + 1
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: object) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=record)
+    for rows in (3, 9):
+        x = torch.randn(rows, 128, generator=g).half()
+        out = compiled(x)
+        assert out.shape == (rows, 64)
+        assert torch.equal(out, layer(x))
+        assert torch.equal(out, ref.awq_matmul(x * 2, qweight, qzeros, scales) + 1)
+    # one graph for both sizes, holding the op as one node (the unpacking inside it is not traced)
+    assert len(graphs) == 1
+    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert targets.count(torch.ops.sm70_backend.awq_linear.default) == 1, targets
+    assert not any("rshift" in str(t) or "bitwise" in str(t) for t in targets), targets

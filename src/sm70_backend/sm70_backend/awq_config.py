@@ -269,7 +269,7 @@ class Sm70AwqLinearMethod(LinearMethodBase):
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out_features = layer.qweight.shape[1] * self.quant_config.pack_factor
         x2 = x.reshape(-1, x.shape[-1])
-        out = ops.awq_linear(x2, layer.qweight, layer.qzeros, layer.scales)
+        out = ops.awq_linear_op(x2, layer.qweight, layer.qzeros, layer.scales)  # opaque to torch.compile
         if bias is not None:
             out.add_(bias)
         return out.reshape(*x.shape[:-1], out_features)

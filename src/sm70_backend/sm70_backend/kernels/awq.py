@@ -172,6 +172,20 @@ def awq_linear(
     return out
 
 
+@torch.library.custom_op("sm70_backend::awq_linear", mutates_args=())
+def awq_linear_op(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`awq_linear` as a torch custom op: torch.compile (vLLM's default on CUDA) sees one opaque call
+    with a known output shape instead of tracing the launch code (raw pointers, alignment checks)."""
+    return awq_linear(x, qweight, qzeros, scales)
+
+
+@awq_linear_op.register_fake
+def _awq_linear_shape(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[1] * PACK)
+
+
 @dataclass(frozen=True)
 class AwqExperts:
     """Stacked AWQ expert weights: ``qweight [E, K, N/8]``, ``qzeros [E, K/G, N/8]``, ``scales [E, K/G, N]``."""

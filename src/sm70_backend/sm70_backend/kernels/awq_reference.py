@@ -29,9 +29,10 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """``[R, C // 8]`` int32 AWQ words -> ``[R, C]`` int32 values in 0..15, in column order."""
-    nibbles = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF  # [R, C/8, nibble]
-    columns = torch.empty_like(nibbles)
-    columns[..., list(AWQ_ORDER)] = nibbles  # column AWQ_ORDER[i] <- nibble i
+    # Column c of a word is nibble AWQ_ORDER.index(c) = c // 2 + 4 * (c % 2). The shifts are made
+    # on the word's device (no host tensor is copied, so this also runs inside a CUDA-graph capture).
+    c = torch.arange(PACK, dtype=torch.int32, device=packed.device)
+    columns = (packed.unsqueeze(-1) >> (4 * (c // 2 + 4 * (c % 2)))) & 0xF  # [R, C/8, column]
     return columns.reshape(*packed.shape[:-1], packed.shape[-1] * PACK)
 
 
