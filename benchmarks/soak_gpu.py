@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -40,6 +41,7 @@ from tests.soak.test_soak import (  # noqa: E402
     _settle,
     canary_job,
 )
+from tests.tool_parsers.forced_output import CLASS_PATH, CLASS_PATH_V2  # noqa: E402
 from tools.vllm_server import VllmServer  # noqa: E402
 
 
@@ -51,15 +53,20 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/soak_gpu"), help="where the checkpoint is built")
     args = parser.parse_args()
     from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
 
     args.out.mkdir(parents=True, exist_ok=True)
-    model = args.out / f"tiny-{args.dtype}"
+    args.work.mkdir(parents=True, exist_ok=True)
+    model = args.work / f"tiny-{args.dtype}"  # not under OUT, whose files travel back
     if not model.exists():
         build_tiny_checkpoint(model, "qwen4_exp_text", dtype=args.dtype)
     server_args = list(SERVER_ARGS)
     server_args[server_args.index("--dtype") + 1] = args.dtype
+    if torch.cuda.is_available() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "1") != "0":
+        # vLLM's V2 runner (its default on GPUs) loads only processors of its own interface
+        server_args[server_args.index(CLASS_PATH)] = CLASS_PATH_V2
     env = {
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
         "TOOL_PARSERS_MAX_N": str(MAX_N),

@@ -19,6 +19,10 @@ all accept the field):
 * `step_sleep_s`: float. The engine sleeps this long before each forced step, so a
   stream stalls (keep-alive tests) while the engine stays a real engine.
 
+vLLM's V2 model runner (its default on GPUs) takes only processors of its own interface:
+there, pass `tests.tool_parsers.forced_output:ForcedOutputLogitsProcessorV2` (`CLASS_PATH_V2`),
+which does the same.
+
 Requests without these keys are left alone. Forced tokens replace the whole
 distribution (logit 0 for the forced token, -inf elsewhere), after any grammar
 bitmask: requests that combine this with structured outputs must force tokens the
@@ -35,10 +39,13 @@ import torch
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 FORCED_IDS_KEY = "forced_token_ids"
 SLEEP_KEY = "step_sleep_s"
 CLASS_PATH = "tests.tool_parsers.forced_output:ForcedOutputLogitsProcessor"
+CLASS_PATH_V2 = "tests.tool_parsers.forced_output:ForcedOutputLogitsProcessorV2"
 
 
 def _forced_settings(params: SamplingParams) -> tuple[list[int], float] | None:
@@ -93,3 +100,48 @@ class ForcedOutputLogitsProcessor(AdapterLogitsProcessor):
             return forced
 
         return force
+
+
+class ForcedOutputLogitsProcessorV2(V2LogitsProcessor):
+    """`ForcedOutputLogitsProcessor` for vLLM's V2 model runner: per request slot, the forced ids;
+    a row's output index is its visible length less the prompt's (exact without speculation)."""
+
+    def __init__(self, vllm_config: Any, req_states: LogitsProcRequestState) -> None:
+        eos = getattr(vllm_config.model_config.hf_text_config, "eos_token_id", None)
+        self._default_eos = eos[0] if isinstance(eos, list) else eos
+        self._prompt_len = req_states.prompt_len
+        self._forced: dict[int, tuple[list[int], float]] = {}
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        _forced_settings(sampling_params)
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        settings = _forced_settings(sampling_params)
+        if settings is None:
+            self._forced.pop(req_idx, None)  # a recycled slot keeps nothing of its last request
+            return False
+        self._forced[req_idx] = settings
+        return True
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        slots = [int(slot) for slot in ctx.idx_mapping_np]
+        if not any(slot in self._forced for slot in slots):
+            return logits
+        if logits.shape[0] != len(slots):
+            raise ValueError("ForcedOutputLogitsProcessorV2 supports one logits row per request (no speculation)")
+        for row, slot in enumerate(slots):
+            if slot not in self._forced:
+                continue
+            ids, sleep = self._forced[slot]
+            step = int(ctx.seq_lens_upper_bound_np[row]) - int(self._prompt_len.np[slot])
+            if step < 0:  # a prefill chunk that samples nothing
+                continue
+            if sleep:
+                time.sleep(sleep)
+            if not ids or (step >= len(ids) and self._default_eos is None):
+                continue
+            token = ids[step] if step < len(ids) else self._default_eos
+            logits[row].fill_(float("-inf"))
+            logits[row, token] = 0.0
+        return logits
