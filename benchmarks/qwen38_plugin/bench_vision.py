@@ -90,7 +90,7 @@ def main() -> None:
     config, ours, theirs = build(args.depth, dtype, device)
     side = math.isqrt(args.pixels) // (config.patch_size * config.spatial_merge_size)
     side *= config.spatial_merge_size  # patches per side, a multiple of the merge size
-    grid = torch.tensor([[1, side, side]])
+    grid = torch.tensor([[1, side, side]], device=device)  # transformers indexes its embeddings with it
     patches = side * side
     values = config.in_channels * config.temporal_patch_size * config.patch_size**2
     pixels = torch.randn(patches, values, generator=torch.Generator().manual_seed(1)).to(device, dtype)
