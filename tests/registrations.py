@@ -22,7 +22,8 @@ REGISTRATION = re.compile(
 # On the CPU platform qwen38_plugin also takes over Qwen4Exp with its portable model.
 QWEN38_ON_CPU = (
     "transformers config qwen3_8_flash_next_text, transformers config qwen3_8_flash_next, "
-    "CPU seeded-sampling fix, multimodal defaults for Qwen4ExpForConditionalGeneration, "
+    "CPU seeded-sampling fix, CPU speculative-sampling expand fix, "
+    "multimodal defaults for Qwen4ExpForConditionalGeneration, "
     "Qwen4ExpForConditionalGeneration dispatcher (the same rule), "
     "portable Qwen4ExpForCausalLM (CPU platform)"
 )

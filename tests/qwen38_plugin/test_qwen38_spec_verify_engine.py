@@ -49,8 +49,9 @@ def run_engine(model: Path, num_spec: int, prompts: list[list[int]], **llm_kwarg
     return engine_result(subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False))
 
 
-def two_token_checkpoint(source: Path, target: Path) -> Path:
-    """``source`` with lm_head rows X = w, Y = -w and every other row 0."""
+def two_token_checkpoint(source: Path, target: Path, scale: float = 1.0) -> Path:
+    """``source`` with lm_head rows X = w, Y = -w and every other row 0 (``w`` a seeded normal
+    vector times ``scale``: the argmax does not depend on it, the X-vs-Y probabilities do)."""
     from safetensors.torch import load_file, save_file
 
     if target.exists():
@@ -59,7 +60,7 @@ def two_token_checkpoint(source: Path, target: Path) -> Path:
     (weights,) = target.glob("*.safetensors")
     tensors = load_file(weights)
     head = tensors["lm_head.weight"]
-    w = torch.randn(head.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    w = torch.randn(head.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float32) * scale
     head.zero_()
     head[TWO_TOKENS[0]], head[TWO_TOKENS[1]] = w.to(head.dtype), (-w).to(head.dtype)
     save_file(tensors, weights, metadata={"format": "pt"})

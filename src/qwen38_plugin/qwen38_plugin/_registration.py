@@ -87,6 +87,10 @@ def register_with_vllm() -> list[str]:
 
     if install_cpu_seeded_sampling_fix() != "not CPU":
         registered.append("CPU seeded-sampling fix")
+    from qwen38_plugin.cpu_spec_sampling import install as install_cpu_spec_sampling_fix
+
+    if install_cpu_spec_sampling_fix() == "installed":
+        registered.append("CPU speculative-sampling expand fix")
     from qwen38_plugin.vllm_multimodal import install as install_multimodal_defaults
 
     registered += [f"multimodal defaults for {name}" for name in install_multimodal_defaults()]

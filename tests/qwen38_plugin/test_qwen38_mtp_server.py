@@ -1,0 +1,305 @@
+"""MTP speculative decoding through stock vLLM's OpenAI server on CPU is lossless: greedy tokens
+equal the server's without speculation, sampled tokens follow the target's exact distribution,
+and /metrics counts the accepted drafts.
+
+The checkpoint: the tiny Qwen4Exp target with its MTP head (``mtp_num_hidden_layers`` 1), lm_head
+rows X = w, Y = -w, every other row 0 (`two_token_checkpoint`, shared by target and head): every
+greedy token, target's or draft's, is X or Y, decided by the sign of the final hidden state's
+projection on w, so the head's drafts are accepted often. ``w`` is scaled by 0.5 so that with
+``allowed_token_ids`` [X, Y] at temperature 1 the target's distribution is spread over the two
+(P(X) = sigmoid(2 w . h), between about 0.1 and 0.9 on the prompt sampled here).
+
+Three servers, one at a time (each runs its whole workload once, then stops; the tests read the
+results): without speculation, with ``{"method": "mtp", "num_speculative_tokens": 3}``, and the same
+with dflash2's concurrency ladder (``dflash_concurrency_drafts``: stock's per-batch-size schedule,
+which stock's scheduler applies to any proposer, MTP included). fp32, ``--no-enable-prefix-caching``
+(required with speculation on CPU), 32-token steps so long prompts prefill in chunks next to verify
+rows.
+
+- Greedy: 4 completions (token prompts of 1-70 tokens) and 3 chat completions, concurrent, 24
+  tokens each: the same token ids from all three servers (and from transformers).
+- Sampling: ``N`` samples of the first ``K`` tokens of one prompt at temperature 1 (requests with
+  ``n`` > 1 and fixed seeds). Every sequence of K tokens in {X, Y} has an exact probability from
+  transformers (product of the target's conditionals); Pearson's chi-square of the sampled counts
+  against them must stay below the ``ALPHA`` quantile. Under a correct sampler the test fails with
+  probability ALPHA (stated, 1e-3); at these fixed seeds the outcome is deterministic. The test's
+  power is shown on a simulation of the verify rule with the same probabilities: the correct rule
+  passes, accepting every draft fails, and resampling a rejected position from the target's full
+  distribution (instead of the residual) fails.
+- /metrics after each speculative server's workload: drafts, draft tokens, accepted tokens and
+  accepted tokens per position are consistent, and acceptance is well above 0.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import re
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from tests.qwen38_plugin.qwen38_reference import load_reference
+from tests.qwen38_plugin.test_qwen38_spec_verify_engine import MTP, TWO_TOKENS, two_token_checkpoint
+from tests.qwen38_plugin.test_qwen38_vllm_engine import mixed_prompts
+
+LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
+STEPS = 24
+NUM_SPEC = 3
+K = 5  # sampled tokens per sample: the prefill's token, then a verify step of 3 drafts + 1
+N_REQUESTS, N_PER_REQUEST = 8, 64  # N = 512 samples per speculative server
+ALPHA = 1e-3
+SCALE = 0.5
+LADDER = {"2": 2, "5": 1}  # 1 running request: 3 drafts, 2-4: 2, 5 or more: 1
+CONFIGS: dict[str, list[str]] = {
+    "plain": [],
+    "mtp": ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": NUM_SPEC})],
+    "ladder": [
+        "--speculative-config",
+        json.dumps({"method": "mtp", "num_speculative_tokens": NUM_SPEC, "dflash_concurrency_drafts": LADDER}),
+    ],
+}
+CHATS = ["Hello, how are you?", "Write a haiku about the sea.", "1 2 3 4 5 6 7 8 9"]
+SAMPLE_PROMPT = list(range(3_000, 3_012))
+
+
+def chi2_sf(statistic: float, df: int) -> float:
+    """P(chi-square with ``df`` degrees of freedom > statistic)."""
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
+
+
+def chi2_quantile(alpha: float, df: int) -> float:
+    """The statistic above which a chi-square variable lies with probability ``alpha`` (bisection)."""
+    low, high = 0.0, 10.0 * df + 100.0
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if chi2_sf(mid, df) > alpha else (low, mid)
+    return high
+
+
+def pearson(counts: Counter[tuple[int, ...]], probs: dict[tuple[int, ...], float]) -> tuple[float, int]:
+    """Pearson's statistic over the sequences, cells with an expected count below 5 pooled; and its df."""
+    total = sum(counts.values())
+    assert set(counts) <= set(probs), f"sampled sequences outside the support: {set(counts) - set(probs)}"
+    cells: list[tuple[float, int]] = []
+    pooled_p, pooled_n = 0.0, 0
+    for seq, p in probs.items():
+        if p * total < 5:
+            pooled_p, pooled_n = pooled_p + p, pooled_n + counts[seq]
+        else:
+            cells.append((p, counts[seq]))
+    if pooled_p > 0:
+        cells.append((pooled_p, pooled_n))
+    statistic = sum((n - p * total) ** 2 / (p * total) for p, n in cells)
+    return statistic, len(cells) - 1
+
+
+def exact_probabilities(model: Path, prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """P(first K tokens = seq) for every seq in {X, Y}^K, the target restricted to X and Y at temperature 1."""
+    hf = load_reference(model, torch.float32)
+    probs = {}
+    with torch.no_grad():
+        for prefix in itertools.product(TWO_TOKENS, repeat=K - 1):
+            logits = hf(torch.tensor([prompt + list(prefix)])).logits[0, len(prompt) - 1 :, list(TWO_TOKENS)]
+            conditional = torch.softmax(logits.double(), -1)  # [K, 2]
+            for last in TWO_TOKENS:
+                seq = (*prefix, last)
+                probs[seq] = float(
+                    torch.prod(torch.stack([conditional[i, TWO_TOKENS.index(t)] for i, t in enumerate(seq)]))
+                )
+    return probs
+
+
+class Results:
+    """Each configuration's outputs, computed once: its server starts, serves everything, stops."""
+
+    def __init__(self, model: Path, start_server: Callable[..., Any]) -> None:
+        self.model, self.start_server = model, start_server
+        self.cache: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, name: str) -> dict[str, Any]:
+        if name not in self.cache:
+            self.cache[name] = self._serve(name)
+        return self.cache[name]
+
+    def _serve(self, name: str) -> dict[str, Any]:
+        args = ["--dtype", "float32", "--max-model-len", "512", "--max-num-batched-tokens", "32", "--seed", "0",
+                "--no-enable-prefix-caching", *CONFIGS[name]]  # fmt: skip
+        started = time.monotonic()
+        server = self.start_server(self.model, args)
+        startup = time.monotonic() - started
+        try:
+            client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=600)
+            started = time.monotonic()
+            greedy = self._greedy(client)
+            greedy_s = time.monotonic() - started
+            started = time.monotonic()
+            samples = self._samples(client) if name != "plain" else []
+            sampling_s = time.monotonic() - started
+            with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=30) as response:
+                metrics = response.read().decode()
+            log = server.log()
+        finally:
+            server.stop()
+        print(f"{name}: startup {startup:.0f} s, greedy {greedy_s:.0f} s, sampling {sampling_s:.0f} s")
+        return {"greedy": greedy, "samples": samples, "metrics": metrics, "log": log}
+
+    def _greedy(self, client: openai.OpenAI) -> list[list[int]]:
+        model = str(self.model)
+
+        def complete(prompt: list[int]) -> list[int]:
+            out = client.completions.create(
+                model=model, prompt=prompt, max_tokens=STEPS, temperature=0.0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            return list(out.choices[0].token_ids)  # type: ignore[attr-defined]
+
+        def chat(text: str) -> list[int]:
+            out = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": text}], max_tokens=STEPS, temperature=0.0,
+                logprobs=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+            )  # fmt: skip
+            content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+            assert content is not None
+            return [int(item.token.removeprefix("token_id:")) for item in content]
+
+        prompts = mixed_prompts(2)[1:]
+        jobs: list[Callable[[], list[int]]] = [lambda p=p: complete(p) for p in prompts]
+        jobs += [lambda t=t: chat(t) for t in CHATS]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            return list(pool.map(lambda job: job(), jobs))
+
+    def _samples(self, client: openai.OpenAI) -> list[tuple[int, ...]]:
+        def sample(seed: int) -> list[tuple[int, ...]]:
+            out = client.completions.create(
+                model=str(self.model), prompt=SAMPLE_PROMPT, max_tokens=K, temperature=1.0, n=N_PER_REQUEST,
+                seed=seed,
+                extra_body={"ignore_eos": True, "return_token_ids": True, "allowed_token_ids": list(TWO_TOKENS)},
+            )  # fmt: skip
+            return [tuple(choice.token_ids) for choice in out.choices]  # type: ignore[attr-defined]
+
+        with ThreadPoolExecutor(4) as pool:
+            return [s for batch in pool.map(sample, range(0, N_REQUESTS * 1000, 1000)) for s in batch]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = tiny_checkpoint("qwen4_exp_text", overrides=MTP, dtype="float32")
+    return two_token_checkpoint(source, tmp_path_factory.mktemp("mtp-server") / "model", scale=SCALE)
+
+
+@pytest.fixture(scope="module")
+def results(model: Path, start_server: Callable[..., Any]) -> Iterator[Results]:
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield Results(model, start_server)
+
+
+@pytest.fixture(scope="module")
+def probs(model: Path) -> dict[tuple[int, ...], float]:
+    return exact_probabilities(model, SAMPLE_PROMPT)
+
+
+def spec_counters(metrics: str) -> dict[str, float]:
+    counters: dict[str, float] = {}
+    for line in metrics.splitlines():
+        match = re.match(r"vllm:(spec_decode_\w+)_total(\{[^}]*\})? ([0-9.e+]+)$", line)
+        if match:
+            name, labels, value = match.groups()
+            position = re.search(r'position="(\d+)"', labels or "")
+            key = f"{name}[{position.group(1)}]" if position else name
+            counters[key] = counters.get(key, 0.0) + float(value)
+    return counters
+
+
+@pytest.mark.parametrize("name", ["mtp", "ladder"])
+def test_greedy_tokens_equal_the_server_without_speculation(results: Results, name: str) -> None:
+    plain, spec = results("plain")["greedy"], results(name)["greedy"]
+    assert {t for row in plain for t in row} == set(TWO_TOKENS)  # both tokens occur: the sign varies
+    assert spec == plain
+
+
+def test_sampling_follows_the_target_distribution(results: Results, probs: dict[tuple[int, ...], float]) -> None:
+    for name in ("mtp", "ladder"):
+        samples = results(name)["samples"]
+        assert len(samples) == N_REQUESTS * N_PER_REQUEST
+        statistic, df = pearson(Counter(samples), probs)
+        threshold = chi2_quantile(ALPHA, df)
+        p_value = chi2_sf(statistic, df)
+        print(f"{name}: chi-square {statistic:.1f} on {df} df, threshold {threshold:.1f} (p = {p_value:.3f})")
+        assert statistic < threshold, name
+
+
+def simulate(probs: dict[tuple[int, ...], float], n: int, rule: str, gen: torch.Generator) -> Counter[tuple[int, ...]]:
+    """``n`` samples of K tokens: the first from the target, then one verify step of K - 1 drafts
+    (each the target's most likely token after the drafts before it: a perfect greedy drafter),
+    decided by ``rule``: "correct" (accept with p(draft), else sample the residual p without the
+    draft, then a bonus token), "accept all", or "resample" (a rejected position sampled from the
+    full p, the classic bug)."""
+
+    def conditional(prefix: tuple[int, ...]) -> float:  # P(X | prefix)
+        depth = len(prefix)
+        joint = sum(p for seq, p in probs.items() if seq[:depth] == prefix)
+        return sum(p for seq, p in probs.items() if seq[: depth + 1] == (*prefix, TWO_TOKENS[0])) / joint
+
+    def draw(p_x: float) -> int:
+        return TWO_TOKENS[0] if float(torch.rand((), generator=gen)) < p_x else TWO_TOKENS[1]
+
+    counts: Counter[tuple[int, ...]] = Counter()
+    for _ in range(n):
+        seq: tuple[int, ...] = (draw(conditional(())),)
+        while len(seq) < K:
+            p_x = conditional(seq)
+            draft = TWO_TOKENS[0] if p_x >= 0.5 else TWO_TOKENS[1]
+            p_draft = p_x if draft == TWO_TOKENS[0] else 1 - p_x
+            if rule == "accept all" or float(torch.rand((), generator=gen)) < p_draft:
+                seq = (*seq, draft)
+                continue
+            other = TWO_TOKENS[1] if draft == TWO_TOKENS[0] else TWO_TOKENS[0]
+            seq = (*seq, other if rule == "correct" else draw(p_x))
+            while len(seq) < K:  # the verify step ends; later positions from the target
+                seq = (*seq, draw(conditional(seq)))
+        counts[seq] += 1
+    return counts
+
+
+def test_the_statistical_test_has_power(probs: dict[tuple[int, ...], float]) -> None:
+    # 200 simulated runs of N samples per rule: how often the chi-square test rejects
+    gen = torch.Generator().manual_seed(0)
+    n, runs = N_REQUESTS * N_PER_REQUEST, 200
+    rejections = {}
+    for rule in ("correct", "accept all", "resample"):
+        rejected = 0
+        for _ in range(runs):
+            statistic, df = pearson(simulate(probs, n, rule, gen), probs)
+            rejected += statistic >= chi2_quantile(ALPHA, df)
+        rejections[rule] = rejected / runs
+    print(f"rejection rate of the test over {runs} simulated runs of {n} samples: {rejections}")
+    assert rejections["correct"] <= 0.02  # ALPHA = 1e-3 (+ the chi-square approximation)
+    assert rejections["accept all"] == 1.0 and rejections["resample"] >= 0.99
+
+
+@pytest.mark.parametrize("name", ["mtp", "ladder"])
+def test_metrics_count_accepted_drafts(results: Results, name: str) -> None:
+    counters = spec_counters(results(name)["metrics"])
+    drafts, draft_tokens = counters["spec_decode_num_drafts"], counters["spec_decode_num_draft_tokens"]
+    accepted = counters["spec_decode_num_accepted_tokens"]
+    per_position = [counters.get(f"spec_decode_num_accepted_tokens_per_pos[{i}]", 0.0) for i in range(NUM_SPEC)]
+    rate = accepted / draft_tokens
+    print(f"{name}: {counters}, acceptance {rate:.2f}, mean accepted per draft {accepted / drafts:.2f}")
+    assert 0 < drafts <= draft_tokens <= NUM_SPEC * drafts
+    assert 0 < accepted <= draft_tokens and sum(per_position) == accepted
+    assert all(a >= b for a, b in itertools.pairwise(per_position))  # accepted after accepted
+    assert rate > 0.3
+    if name == "ladder":  # many running requests verify fewer drafts
+        assert draft_tokens < 2 * drafts
+        assert "dflash2: dflash_concurrency_drafts" in results(name)["log"]
