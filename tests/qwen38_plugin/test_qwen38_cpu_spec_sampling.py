@@ -40,3 +40,20 @@ def test_stock_expand_leaves_a_float_output_unwritten() -> None:
     STOCK(out, x, CU, GREEDY, 1)
     assert torch.equal(out, torch.full((7,), 123.0))
     assert getattr(cpu_triton_utils._expand_kernel_impl, cpu_spec_sampling._PATCHED)
+
+
+def test_a_changed_stock_kernel_is_named_not_patched(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # vLLM changing under the fix must be said loudly, and the unknown kernel left alone
+    if cpu_spec_sampling.install() == "not CPU":
+        pytest.skip("the CPU platform only")
+
+    def rewritten(output: torch.Tensor, input_val: torch.Tensor, *args: object) -> None:
+        output.zero_()
+
+    monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", rewritten)
+    with caplog.at_level("ERROR", logger="vllm.plugins.qwen38_plugin"):
+        assert cpu_spec_sampling.install() == "stock changed"
+    assert cpu_triton_utils._expand_kernel_impl is rewritten
+    assert "NOT installed" in caplog.text and cpu_spec_sampling.STOCK_CAST in caplog.text

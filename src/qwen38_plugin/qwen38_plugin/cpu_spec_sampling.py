@@ -81,8 +81,17 @@ def install() -> str:
     if getattr(stock, _PATCHED, False):
         return "installed"
     source = inspect.getsource(stock)
-    if STOCK_CAST not in source or ".copy_(" in source:
-        logger.warning("qwen38_plugin: CPU expand-kernel fix skipped: stock's _expand_kernel_impl changed")
+    if STOCK_CAST not in source:
+        # vLLM changed under the fix: say so loudly instead of guessing (the test named here shows
+        # whether a float output is written now)
+        logger.error(
+            "qwen38_plugin: vLLM's CPU _expand_kernel_impl no longer calls %s; the speculative-sampling fix is "
+            "NOT installed. Check tests/qwen38_plugin/test_qwen38_cpu_spec_sampling.py against this vLLM before "
+            "sampling with speculative decoding on CPU.",
+            STOCK_CAST,
+        )
+        return "stock changed"
+    if ".copy_(" in source:  # stock copies the int64 result back: fixed upstream
         return "not needed"
     cpu_triton_utils._expand_kernel_impl = fixed(stock)
     return "installed"
