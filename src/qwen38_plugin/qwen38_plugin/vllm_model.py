@@ -61,15 +61,20 @@ from qwen38_plugin.vllm_qsa import PortableQSAAttention, RotaryTable
 from qwen38_plugin.vllm_qsa_cache import model_dtype
 from qwen38_plugin.vllm_quant import configure_quantization
 
+# The QSA and shared-expert projections fused in vLLM's modules (the MTP head has them too).
+QSA_MOE_STACKED: dict[str, tuple[str, Any]] = {
+    ".q_proj": (".qkv_proj", "q"),
+    ".k_proj": (".qkv_proj", "k"),
+    ".v_proj": (".qkv_proj", "v"),
+    ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
+    ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
+}
+
 # Checkpoint names -> the fused vLLM modules (shard ids as vLLM's loaders expect them).
 _WEIGHTS_MAPPER = WeightsMapper(
     orig_to_new_prefix={"model.language_model.": "model.", "mtp.": None, "model.visual.": None},
     orig_to_new_stacked={
-        ".q_proj": (".qkv_proj", "q"),
-        ".k_proj": (".qkv_proj", "k"),
-        ".v_proj": (".qkv_proj", "v"),
-        ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
-        ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
+        **QSA_MOE_STACKED,
         ".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)),
         ".in_proj_z": (".in_proj_qkvz", 3),
         ".in_proj_b": (".in_proj_ba", 0),

@@ -48,21 +48,14 @@ from qwen38_plugin import vllm_ops
 from qwen38_plugin.model import ConfigError, GatedResidual
 from qwen38_plugin.mtp_reference import mtp_layer_count
 from qwen38_plugin.ops import hyper_connection, qsa_paged
-from qwen38_plugin.vllm_qsa import GemmaNorm, PortableQSAAttention, RotaryTable
+from qwen38_plugin.vllm_model import QSA_MOE_STACKED
+from qwen38_plugin.vllm_qsa import GemmaNorm, PortableQSAAttention, RotaryTable, real_tokens
 from qwen38_plugin.vllm_qsa_cache import QSAKVCache, QSAMetadata, _CacheLayer, model_dtype
 
 logger = logging.getLogger("vllm.plugins.qwen38_plugin")
 
 # Checkpoint names (``mtp.*`` -> ``model.*``) to the fused vLLM modules.
-_MTP_WEIGHTS_MAPPER = WeightsMapper(
-    orig_to_new_stacked={
-        ".q_proj": (".qkv_proj", "q"),
-        ".k_proj": (".qkv_proj", "k"),
-        ".v_proj": (".qkv_proj", "v"),
-        ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
-        ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
-    },
-)
+_MTP_WEIGHTS_MAPPER = WeightsMapper(orig_to_new_stacked=dict(QSA_MOE_STACKED))
 
 
 class DraftQSAKVCache(QSAKVCache):
@@ -125,15 +118,11 @@ class DraftQSAAttention(PortableQSAAttention):
         cache = self.cache
         assert isinstance(cache, DraftQSAKVCache)
         meta: QSAMetadata | None = vllm_ops.step_metadata(cache.prefix)
-        if meta is None:  # vLLM's profiling run: no requests, no caches
-            out.zero_()
+        step = real_tokens(meta, q, gate, k, v, index_q, raw_keys, positions, out)
+        if meta is None or step is None:
             return
+        q, gate, k, v, index_q, raw_keys, positions, out = step
         n = meta.num_tokens
-        if q.shape[0] != n:
-            out[n:].zero_()
-            q, gate, k, v, out = q[:n], gate[:n], k[:n], v[:n], out[:n]
-            index_q = None if index_q is None else index_q[:n]
-            raw_keys = None if raw_keys is None else raw_keys[:n]
         if positions.dim() != 1:
             raise RuntimeError("the portable MTP drafter runs 1-D positions only (vLLM's draft for a text target)")
         positions = meta.positions[:n]

@@ -135,6 +135,38 @@ class QSAIndexer(nn.Module):
         self.k_layernorm = GemmaNorm(self.head_dim, config.rms_norm_eps)
 
 
+StepTensors = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor,
+    torch.Tensor,
+]  # fmt: skip
+
+
+def real_tokens(
+    meta: QSAMetadata | None,
+    q: torch.Tensor,
+    gate: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index_q: torch.Tensor | None,
+    raw_keys: torch.Tensor | None,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+) -> StepTensors | None:
+    """A step's inputs cut to its real tokens: vLLM pads a step (to a CUDA-graph size) and the
+    metadata covers the real ones; padding rows of ``out`` are zeroed. None (and ``out`` zeroed)
+    in vLLM's profiling run, which has no metadata."""
+    if meta is None:
+        out.zero_()
+        return None
+    n = meta.num_tokens
+    if q.shape[0] != n:
+        out[n:].zero_()
+        q, gate, k, v, positions, out = q[:n], gate[:n], k[:n], v[:n], positions[..., :n], out[:n]
+        index_q = None if index_q is None else index_q[:n]
+        raw_keys = None if raw_keys is None else raw_keys[:n]
+    return q, gate, k, v, index_q, raw_keys, positions, out
+
+
 class PortableQSAAttention(nn.Module):
     """One rank's query heads (and the KV heads they read) of a QSA layer."""
 
@@ -222,16 +254,11 @@ class PortableQSAAttention(nn.Module):
         token's index in its sequence) or M-RoPE ``[3, T]`` (the indices come from the metadata)."""
         cache = self.cache
         meta: QSAMetadata | None = vllm_ops.step_metadata(cache.prefix)
-        if meta is None:  # vLLM's profiling run: no requests, no caches
-            out.zero_()
+        step = real_tokens(meta, q, gate, k, v, index_q, raw_keys, positions, out)
+        if meta is None or step is None:
             return
-        # vLLM pads a step's tokens (to a CUDA-graph size); the metadata covers the real ones.
+        q, gate, k, v, index_q, raw_keys, positions, out = step
         n = meta.num_tokens
-        if q.shape[0] != n:
-            out[n:].zero_()
-            q, gate, k, v, positions, out = q[:n], gate[:n], k[:n], v[:n], positions[..., :n], out[:n]
-            index_q = None if index_q is None else index_q[:n]
-            raw_keys = None if raw_keys is None else raw_keys[:n]
         mrope = positions.dim() == 2
         rope_positions = positions
         if mrope:
