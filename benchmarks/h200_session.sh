@@ -14,8 +14,8 @@
 #      the SM70 AWQ kernels, awq_sm70 + FLASH_ATTN_V100 in an engine and the SM70 benchmarks (GPU 0);
 #      meanwhile the multimodal step on GPU 1 (gpu_session.py --only mm: images and video served in fp16
 #      against transformers, bench_vision.py, bench_mm_ttft.py).
-#   p: the decode step under torch's profiler, breakable graphs then torch.compile (GPU 0), beside the
-#      decode benchmark in both modes and the peer (GPU 1).
+#   p: the decode step under torch's profiler, breakable graphs then torch.compile, then the host cost of a
+#      step by part (GPU 0), beside the decode benchmark in both modes and the peer (GPU 1).
 #   e: after a kernel change: the kernels' CUDA tests and fp16 exactness with graphs (GPU 1); the decode
 #      benchmark beside vLLM's own peer model, then the profile (GPU 0).
 #   c: CSF's kernels and both codecs served against their sources at TP=1 (GPU 0); meanwhile the
@@ -100,6 +100,9 @@ p)
             --work $work/q38
         CUDA_VISIBLE_DEVICES=0 timeout $(lim 200) python3 benchmarks/qwen38_plugin/profile_gpu.py "$res/profile-compiled" \
             --compiled --work $work/q38
+        # the host side of a step by part, ours against a pure-attention peer, prefix caching on and off
+        CUDA_VISIBLE_DEVICES=0 timeout $(lim 240) python3 benchmarks/qwen38_plugin/host_step_cost.py \
+            --config medium --dtype float16 --batches 1,64 --work $work/q38 >"$res/host_step_cost.txt" 2>&1
     ) >"$res/profile.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 timeout $(lim 560) python3 benchmarks/qwen38_plugin/bench_gpu.py "$res/bench" \
         --work $work/q38 --modes graphs,peer,compiled --timeout 300 >"$res/bench.log" 2>&1
