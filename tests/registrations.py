@@ -25,6 +25,8 @@ QWEN38_ON_CPU = (
     "CPU seeded-sampling fix, CPU speculative-sampling expand fix, "
     "multimodal defaults for Qwen4ExpForConditionalGeneration, "
     "Qwen4ExpForConditionalGeneration dispatcher (the same rule), "
+    "Qwen4ExpMTP dispatcher (the same rule), "
+    "Qwen4ExpForCausalLM config hook (MTP draft buffer of hc * H), "
     "portable Qwen4ExpForCausalLM (CPU platform)"
 )
 
