@@ -18,6 +18,7 @@
 #      step by part (GPU 0), beside the decode benchmark in both modes and the peer (GPU 1).
 #   e: after a kernel change: the kernels' CUDA tests and fp16 exactness with graphs (GPU 1); the decode
 #      benchmark beside vLLM's own peer model, then the profile (GPU 0).
+#   m: the multimodal step of s alone (for a one-GPU machine, where s leaves it out).
 #   c: CSF's kernels and both codecs served against their sources at TP=1 (GPU 0); meanwhile the
 #      Qwen4Exp NVFP4-CSF check (GPU 1).
 #   t: CSF at TP=2 on both GPUs, then its load overhead (after c; CSF_BUDGET seconds).
@@ -46,17 +47,24 @@ lim() { # lim CAP: CAP seconds, or what is left before the deadline less 15 s, w
     echo $((left < $1 ? (left > 1 ? left : 1) : $1))
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv >"$res/gpus.txt" 2>&1
+# On a one-GPU machine (kind nvidia-h200) "GPU 1" is GPU 0 and a job the parts start in the background
+# is waited for at once (`solo`), so the two halves of a part run one after the other; part s leaves
+# its multimodal half to part m there, and t (two GPUs) is refused.
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+G1=$((ngpu > 1 ? 1 : 0))
+solo() { [ "$ngpu" -gt 1 ] || wait; }
 
 case $part in
 a)
     (
-        export CUDA_VISIBLE_DEVICES=1
+        export CUDA_VISIBLE_DEVICES=$G1
         timeout $(lim 150) $q38 "$res/ops" --only ops --work $work/q38
         timeout $(lim 90) python3 -m pytest --noconftest -q -rA -p no:cacheprovider \
             tests/sm70_backend/test_attention_cuda.py >"$res/sm70_attention_cuda.log" 2>&1
         timeout $(lim 250) $q38 "$res/exact-bf16" --only exact --runners v2 --dtypes bfloat16 --modes graphs \
             --work $work/q38
     ) >"$res/gpu1.log" 2>&1 &
+    solo
     CUDA_VISIBLE_DEVICES=0 timeout $(lim 330) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 \
         --work $work/q38 >"$res/gpu0.log" 2>&1
     wait
@@ -69,16 +77,30 @@ b)
     timeout $(lim 560) $q38 "$res/bench" --only bench --work $work/q38 \
         --bench-args "--modes graphs,peer,peer-hybrid,graphs-noprefix,compiled --repeats 2" >"$res/bench.log" 2>&1
     ;;
+m)
+    # the multimodal step alone (issue 13), for a one-GPU machine
+    timeout $(lim 560) $q38 "$res/mm" --only mm --work $work/q38 >"$res/mm.log" 2>&1
+    grep -E '^(mm exactness|\|)' "$res/mm.log"
+    ;;
 c)
-    # CSF (issue 14 item 2): the tiny Qwen4Exp's NVFP4-CSF on GPU 1 while GPU 0 runs CSF's kernels and
-    # serves both codecs at TP=1 against their sources (each served again where outputs differ)
-    CUDA_VISIBLE_DEVICES=1 timeout $(lim 300) $csf "$res/csf-qwen4exp" --only qwen4exp --budget 290 \
-        --work $work/csf >"$res/csf-qwen4exp.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=0 timeout $(lim 500) $csf "$res/csf-serve" --only kernels,serve --budget 490 \
-        --work $work/csf >"$res/csf-serve.log" 2>&1
-    wait
+    if [ "$ngpu" -lt 2 ]; then
+        # one GPU: CSF's serving at TP=1 then the Qwen4Exp check, one budget (the kernels were proven
+        # on 2026-11-30; add them with CSF_STEPS=kernels,serve,qwen4exp)
+        timeout $(lim 580) $csf "$res/csf-serve" --only "${CSF_STEPS:-serve,qwen4exp}" --budget $(($(lim 580) - 10)) \
+            --work $work/csf >"$res/csf-serve.log" 2>&1
+        tail -30 "$res/csf-serve.log"
+    else
+        # CSF (issue 14 item 2): the tiny Qwen4Exp's NVFP4-CSF on GPU 1 while GPU 0 runs CSF's kernels
+        # and serves both codecs at TP=1 against their sources (each served again where outputs differ)
+        CUDA_VISIBLE_DEVICES=1 timeout $(lim 300) $csf "$res/csf-qwen4exp" --only qwen4exp --budget 290 \
+            --work $work/csf >"$res/csf-qwen4exp.log" 2>&1 &
+        CUDA_VISIBLE_DEVICES=0 timeout $(lim 500) $csf "$res/csf-serve" --only kernels,serve --budget 490 \
+            --work $work/csf >"$res/csf-serve.log" 2>&1
+        wait
+    fi
     ;;
 t)
+    [ "$ngpu" -ge 2 ] || { echo "part t needs two GPUs (kind nvidia-h200-x2); this machine has $ngpu" >&2; exit 2; }
     # CSF at TP=2 on both GPUs, then the load overhead (after part c built the checkpoints)
     budget=${CSF_BUDGET:-520}
     timeout $(lim $((budget + 10))) $csf "$res/csf" --only tp2,load --budget "$budget" --work $work/csf \
@@ -86,8 +108,9 @@ t)
     ;;
 v)
     # vLLM's V1 model runner on GPU 1 (fp16, CUDA graphs and eager) while GPU 0 runs fp16 eager in V2
-    CUDA_VISIBLE_DEVICES=1 timeout $(lim 250) $q38 "$res/exact-v1" --only exact --runners v1 --dtypes float16 \
+    CUDA_VISIBLE_DEVICES=$G1 timeout $(lim 250) $q38 "$res/exact-v1" --only exact --runners v1 --dtypes float16 \
         --modes graphs,eager --work $work/q38 >"$res/gpu1.log" 2>&1 &
+        solo
     CUDA_VISIBLE_DEVICES=0 timeout $(lim 150) $q38 "$res/exact-fp16-eager" --only exact --runners v2 \
         --dtypes float16 --modes eager --work $work/q38 >"$res/gpu0.log" 2>&1
     wait
@@ -104,14 +127,17 @@ p)
         CUDA_VISIBLE_DEVICES=0 timeout $(lim 240) python3 benchmarks/qwen38_plugin/host_step_cost.py \
             --config medium --dtype float16 --batches 1,64 --work $work/q38 >"$res/host_step_cost.txt" 2>&1
     ) >"$res/profile.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout $(lim 560) python3 benchmarks/qwen38_plugin/bench_gpu.py "$res/bench" \
+    solo
+    CUDA_VISIBLE_DEVICES=$G1 timeout $(lim 560) python3 benchmarks/qwen38_plugin/bench_gpu.py "$res/bench" \
         --work $work/q38 --modes graphs,peer,compiled --timeout 300 >"$res/bench.log" 2>&1
     wait
     ;;
 s)
     # the multimodal step on GPU 1 (issue 13) while the soak of tests/soak runs against a server on GPU 0
     # with CUDA graphs (issue 17 item 4), fp16
-    CUDA_VISIBLE_DEVICES=1 timeout $(lim 420) $q38 "$res/mm" --only mm --work $work/q38 >"$res/mm.log" 2>&1 &
+    if [ "$ngpu" -gt 1 ]; then
+        CUDA_VISIBLE_DEVICES=1 timeout $(lim 420) $q38 "$res/mm" --only mm --work $work/q38 >"$res/mm.log" 2>&1 &
+    fi
     (
         export CUDA_VISIBLE_DEVICES=0
         timeout $(lim 300) python3 benchmarks/soak_gpu.py "$res/soak" --dtype float16 \
@@ -131,8 +157,9 @@ s)
     ;;
 d)
     # what fits a short call: fp16 exactness with CUDA graphs (GPU 1), the graphs decode bench (GPU 0)
-    CUDA_VISIBLE_DEVICES=1 timeout $(lim 200) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 \
+    CUDA_VISIBLE_DEVICES=$G1 timeout $(lim 200) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 \
         --modes graphs --work $work/q38 >"$res/gpu1.log" 2>&1 &
+        solo
     CUDA_VISIBLE_DEVICES=0 timeout $(lim 220) $q38 "$res/bench" --only bench --work $work/q38 \
         --bench-args "--modes graphs --batches 1,8,64 --repeats 2 --no-transformers" >"$res/bench.log" 2>&1
     wait
@@ -141,13 +168,14 @@ e)
     # after a change to the kernels: their CUDA tests then fp16 exactness with CUDA graphs (GPU 1);
     # the decode benchmark against vLLM's own peer model (GPU 0), then where a step goes (profile)
     (
-        export CUDA_VISIBLE_DEVICES=1
+        export CUDA_VISIBLE_DEVICES=$G1
         timeout $(lim 120) python3 -m pytest --noconftest -q -rA -p no:cacheprovider \
             tests/qwen38_plugin/test_qwen38_fused_ops.py tests/qwen38_plugin/test_qwen38_qsa_paged.py \
             >"$res/ops.log" 2>&1
         timeout $(lim 250) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 --modes graphs \
             --work $work/q38
     ) >"$res/gpu1.log" 2>&1 &
+    solo
     (
         export CUDA_VISIBLE_DEVICES=0
         timeout $(lim 330) python3 benchmarks/qwen38_plugin/bench_gpu.py "$res/bench" --work $work/q38 \
@@ -157,7 +185,7 @@ e)
     wait
     ;;
 *)
-    echo "part: a, b, c, d, e, p, s, t or v" >&2
+    echo "part: a, b, c, d, e, m, p, s, t or v" >&2
     exit 2
     ;;
 esac
