@@ -18,6 +18,7 @@
 #      step by part (GPU 0), beside the decode benchmark in both modes and the peer (GPU 1).
 #   e: after a kernel change: the kernels' CUDA tests and fp16 exactness with graphs (GPU 1); the decode
 #      benchmark beside vLLM's own peer model, then the profile (GPU 0).
+#   w: the SM70 AWQ engine tests of s alone (SM70_K: a pytest -k filter).
 #   m: the multimodal step of s alone (for a one-GPU machine, where s leaves it out).
 #   c: CSF's kernels and both codecs served against their sources at TP=1 (GPU 0); meanwhile the
 #      Qwen4Exp NVFP4-CSF check (GPU 1).
@@ -76,6 +77,13 @@ b)
     # ours without prefix caching (what vLLM's hybrid-state copies cost a step), then torch.compile
     timeout $(lim 560) $q38 "$res/bench" --only bench --work $work/q38 \
         --bench-args "--modes graphs,peer,peer-hybrid,graphs-noprefix,compiled --repeats 2" >"$res/bench.log" 2>&1
+    ;;
+w)
+    # issue 11 alone: awq_sm70 + FLASH_ATTN_V100 with CUDA graphs in vLLM engines (Qwen3, Qwen3-MoE, Qwen4Exp)
+    SM70_ENGINE_ATTENTION_BACKEND=FLASH_ATTN_V100 SM70_ENGINE_CUDA_GRAPHS=1 timeout $(lim 560) \
+        python3 -m pytest -q -rA -p no:cacheprovider ${SM70_K:+-k "$SM70_K"} tests/sm70_backend/test_awq_engine.py \
+        >"$res/sm70_engine.log" 2>&1
+    tail -15 "$res/sm70_engine.log"
     ;;
 m)
     # the multimodal step alone (issue 13), for a one-GPU machine
@@ -185,7 +193,7 @@ e)
     wait
     ;;
 *)
-    echo "part: a, b, c, d, e, m, p, s, t or v" >&2
+    echo "part: a, b, c, d, e, m, p, s, t, v or w" >&2
     exit 2
     ;;
 esac

@@ -24,6 +24,7 @@ kernel as they stream in (``csf_loader.device_decode``), on CPU by the torch cod
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -81,16 +82,25 @@ def child(model: str, load_format: str, dtype: str) -> dict[str, Any]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.plugins import load_general_plugins
+    from vllm.utils.network_utils import get_distributed_init_method, get_open_port
 
+    # a load that hangs prints every thread's stack before the caller's limit kills it (on the H200 on
+    # 2026-12-01 a child hung without a word for 300 s)
+    faulthandler.dump_traceback_later(float(os.environ.get("LOAD_OVERHEAD_CHILD_STACK_AFTER", "150")), exit=True)
     load_general_plugins()
     cuda = torch.cuda.is_available()
     args = EngineArgs(model=model, load_format=load_format, dtype=dtype, enforce_eager=True, max_model_len=256)
     vllm_config = args.create_engine_config()
-    with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(vllm_config):
+    with set_current_vllm_config(vllm_config):
         if cuda:
             torch.cuda.set_device(0)
+        # the init method vLLM's own workers use (a TCP store on loopback), not a file store
         init_distributed_environment(
-            1, 0, distributed_init_method=f"file://{tmp}/init", local_rank=0, backend="nccl" if cuda else "gloo"
+            1,
+            0,
+            distributed_init_method=get_distributed_init_method("127.0.0.1", get_open_port()),
+            local_rank=0,
+            backend="nccl" if cuda else "gloo",
         )
         initialize_model_parallel(1, 1)
         loader = get_model_loader(vllm_config.load_config)
@@ -126,15 +136,22 @@ def child(model: str, load_format: str, dtype: str) -> dict[str, Any]:
 def run_child(model: Path, load_format: str, dtype: str, log: Path | None) -> dict[str, Any]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, __file__, "--child", str(model), load_format, "--dtype", dtype]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=False)
-    if log is not None:
-        with log.open("a") as f:
-            f.write(f"\n===== {load_format} {model}\n{proc.stdout}\n{proc.stderr}")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"format"')]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"load of {model} ({load_format}) failed:\n{proc.stderr[-4000:]}")
+    # the child writes into a file, copied to the log even when a limit stops it, so what it printed
+    # (a hang's stacks included) survives
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as output:
+        try:
+            code = subprocess.run(cmd, stdout=output, stderr=subprocess.STDOUT, env=env, timeout=1800).returncode
+        finally:
+            output.seek(0)
+            printed = output.read()
+            if log is not None:
+                with log.open("a") as f:
+                    f.write(f"\n===== {load_format} {model}\n{printed}")
+    lines = [line for line in printed.splitlines() if line.startswith('{"format"')]
+    if code != 0 or not lines:
+        raise SystemExit(f"load of {model} ({load_format}) failed (exit {code}):\n{printed[-4000:]}")
     result: dict[str, Any] = json.loads(lines[-1])
-    decoded = [line for line in (proc.stdout + proc.stderr).splitlines() if "csf_loader: decoded" in line]
+    decoded = [line for line in printed.splitlines() if "csf_loader: decoded" in line]
     result["decode_log"] = decoded[-1].split("csf_loader: ", 1)[-1] if decoded else None
     return result
 
