@@ -60,17 +60,20 @@ def test_startup_refuses_a_drafter_without_hc_mean_for_qwen4exp(
     dflash2.register()
     target = tiny_checkpoint("qwen4_exp_text", dtype="float32")
 
-    def start(draft: Path) -> None:
+    def start(draft: Path, prefix_caching: bool = False) -> object:
         spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 4}
-        EngineArgs(
-            model=str(target), dtype="float32", max_model_len=256, speculative_config=spec
-        ).create_engine_config()
+        return EngineArgs(
+            model=str(target), dtype="float32", max_model_len=256, speculative_config=spec,
+            enable_prefix_caching=prefix_caching,
+        ).create_engine_config()  # fmt: skip
 
     plain = build_tiny_drafter(tmp_path / "plain", target)
     with pytest.raises(DrafterConfigError, match=rf'"hc_mean" in {plain}/config.json \(missing\)'):
         start(plain)
     declared = build_tiny_drafter(tmp_path / "hc", target, extra_dflash_config={"target_feature_reduction": "hc_mean"})
-    # Past our check, stock's Qwen4Exp config hook refuses DFlash: the target does not verify
-    # drafts yet (the GDN, PLE and QSA states roll back no rejected tokens); see dflash2's README.
-    with pytest.raises(NotImplementedError, match="supports only its native MTP checkpoint"):
-        start(declared)
+    # Past our check, the portable model serves DFlash (qwen38_plugin's config hook lifts stock's
+    # refusal there; tests/dflash2/test_dflash_qwen4exp_engine.py runs it), without prefix caching on CPU.
+    config = start(declared)
+    assert config.speculative_config.method == "dflash"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="pass --no-enable-prefix-caching"):
+        start(declared, prefix_caching=True)

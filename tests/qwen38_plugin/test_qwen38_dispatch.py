@@ -138,10 +138,15 @@ def test_portable_choice_refuses_what_the_portable_model_lacks() -> None:
         DispatchError, match=r"speculative method 'mtp' with the multimodal .*drop --speculative-config"
     ):
         decide(dataclasses.replace(cpu, architecture=dispatch.MM_ARCHITECTURE), None)
+    # ... and verifies a DFlash drafter's blocks (tests/dflash2/test_dflash_qwen4exp_engine.py) ...
+    assert decide(dataclasses.replace(cpu, speculative_method="dflash"), None).portable
+    assert decide(dataclasses.replace(fp16, speculative_method="dflash"), None).portable
     # other proposers are not proven through a real engine: refused at startup, naming the fix
-    with pytest.raises(DispatchError, match=r"speculative method 'ngram' \(the portable model drafts with its MTP "
-                       r"head only\): use --speculative-config .*mtp.* or drop --speculative-config"):  # fmt: skip
-        decide(dataclasses.replace(fp16, speculative_method="ngram"), None)
+    for method in ("ngram", "eagle3", "eagle", "draft_model", "suffix"):
+        with pytest.raises(DispatchError, match=rf"speculative method '{method}' \(the portable model drafts with its "
+                           r"MTP head or a DFlash drafter only\): use --speculative-config .*mtp.*dflash.* or drop "
+                           r"--speculative-config"):  # fmt: skip
+            decide(dataclasses.replace(fp16, speculative_method=method), None)
     with pytest.raises(DispatchError, match="pipeline_parallel_size=2: use --pipeline-parallel-size 1"):
         decide(dataclasses.replace(fp16, pipeline_parallel_size=2), None)
     # stock's keeps them

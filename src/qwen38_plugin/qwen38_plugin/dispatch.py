@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 ARCHITECTURE = "Qwen4ExpForCausalLM"
 MM_ARCHITECTURE = "Qwen4ExpForConditionalGeneration"
+# The speculative methods the portable model serves (None: no speculation). DFlash reads the
+# target's auxiliary hidden states reduced by `hc_mean` (dflash2 checks the drafter declares it).
+PORTABLE_SPECULATIVE_METHODS = (None, "mtp", "dflash")
+
 # The MTP drafter vLLM builds for ``--speculative-config '{"method": "mtp", ...}'``.
 MTP_ARCHITECTURE = "Qwen4ExpMTP"
 PORTABLE_MODEL = "qwen38_plugin.vllm_model:PortableQwen4ExpForCausalLM"
@@ -165,12 +169,14 @@ def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
             f"speculative method {method!r} with the multimodal {MM_ARCHITECTURE} (the portable drafter serves the "
             "text-only Qwen4ExpForCausalLM): drop --speculative-config"
         )
-    elif method not in (None, "mtp"):
-        # The portable drafter is the checkpoint's MTP head (README, "Speculative decoding");
+    elif method not in PORTABLE_SPECULATIVE_METHODS:
+        # The portable model drafts with the checkpoint's MTP head or verifies a DFlash drafter's
+        # blocks from its `hc_mean` auxiliary hidden states (README, "Speculative decoding");
         # other proposers are not proven through a real engine here.
         lacks.append(
-            f"speculative method {method!r} (the portable model drafts with its MTP head only): use "
-            '--speculative-config \'{"method": "mtp", ...}\' or drop --speculative-config'
+            f"speculative method {method!r} (the portable model drafts with its MTP head or a DFlash drafter "
+            'only): use --speculative-config \'{"method": "mtp", ...}\' or \'{"method": "dflash", ...}\', '
+            "or drop --speculative-config"
         )
     if method is not None and target.prefix_caching and target.platform == "cpu":
         # vLLM's V1 CPU runner copies mamba states for prefix caching while speculating ("align"

@@ -13,19 +13,43 @@ The V2 model runner's speculator widens by ``hc_mult`` on its own (keyed on the 
 `get_mtp_target_hidden_states`) and never reads ``compress_ratios``.
 
 The hook runs for stock's and the portable model alike (the buffer is the proposer's, whichever
-model drafts). Imported by `qwen38_plugin.register()` only.
+model drafts).
+
+Stock's hook also refuses every speculative method but MTP and n-gram. Where the dispatcher picks
+the portable model (`qwen38_plugin.dispatch.choose`), ``method "dflash"`` is served: the portable
+model hands the DFlash drafter its auxiliary hidden states reduced by `hc_mean` (dflash2 refuses a
+drafter that does not declare it). `run_stock_hook` then runs stock's hook on a shallow copy of the
+config without the speculative config, so everything else stock checks and sets (on the shared
+model, cache and parallel configs) still happens; where stock's model is chosen, stock's refusal
+stands. Imported by `qwen38_plugin.register()` only.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from qwen38_plugin.dispatch import ARCHITECTURE, logger
+from qwen38_plugin.dispatch import ARCHITECTURE, choose, logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 DRAFT_MODEL_TYPE = "qwen4_exp_mtp"
+# Speculative methods stock's hook refuses that the portable model serves.
+PORTABLE_ONLY_METHODS = ("dflash",)
+
+
+def run_stock_hook(stock_hook: Callable[[VllmConfig], None], vllm_config: VllmConfig) -> None:
+    """Stock's hook, except its speculative-method refusal for a method the portable model serves
+    where the portable model is chosen (see the module docstring)."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method not in PORTABLE_ONLY_METHODS or not choose(vllm_config).portable:
+        stock_hook(vllm_config)
+        return
+    view = copy.copy(vllm_config)  # shares the model, cache and parallel configs stock updates
+    view.speculative_config = None
+    stock_hook(view)
 
 
 def widen_draft_hidden_buffer(vllm_config: VllmConfig) -> bool:
@@ -74,7 +98,7 @@ def install() -> list[str]:
 
         @staticmethod
         def verify_and_update_config(vllm_config: VllmConfig) -> None:
-            stock_hook(vllm_config)
+            run_stock_hook(stock_hook, vllm_config)
             widen_draft_hidden_buffer(vllm_config)
 
     table[ARCHITECTURE] = Qwen4ExpForCausalLMConfig

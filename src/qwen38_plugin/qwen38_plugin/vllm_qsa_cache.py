@@ -304,9 +304,14 @@ class QSABlockKeyCache(_CacheLayer):
                 f"QSA block keys: the attention block size {block_size} is not a multiple of indexer_compress_ratio "
                 f"{self.ratio}; use a --block-size that is a multiple of {self.ratio}"
             )
+        # Replicated over decode-context-parallel ranks; over one DCP rank replicated and sharded
+        # are the same layout: say sharded there, as the K/V's spec does, or vLLM's KV-layout
+        # resolver takes a DFlash drafter's K/V pages (another size) for a replicated draft
+        # beside a DCP-sharded target and asks for a block-outer layout the CPU backend lacks.
+        dcp_sharded = vllm_config.parallel_config.decode_context_parallel_size == 1
         return MLAAttentionSpec(
             block_size=block_size, num_kv_heads=1, head_size=self.index_dim, dtype=self.dtype,
-            tokens_per_state=self.ratio, dcp_sharded=False, max_tp_shards=1,  # replicated over TP ranks
+            tokens_per_state=self.ratio, dcp_sharded=dcp_sharded, max_tp_shards=1,  # replicated over TP ranks
         )  # fmt: skip
 
 
