@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import pytest
 
 from dflash2.ladder import LADDER_KEY, OPEN_END
-from dflash2.speculative_args import StockChanged, check_stock, install
+from dflash2.speculative_args import StockChanged, check_stock, install, refuse_method_taken_from_the_path
 
 K = 7
 
@@ -127,6 +127,28 @@ def test_startup_refuses_with_the_field_and_the_fix(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         engine_config(models, spec, **engine_args)
+
+
+def test_mtp_on_a_path_stock_reads_as_dflash_is_refused_naming_the_path(
+    models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Stock vLLM 0.32 turns `{"method": "mtp"}` into DFlash when the checkpoint's path contains
+    "dflash" (and fails later on a `DFlash<arch>` architecture); startup says so instead."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import dflash2
+
+    dflash2.register()
+    target, _ = models
+    (tmp_path / "my-dflash-runs").mkdir()
+    linked = tmp_path / "my-dflash-runs" / "target"
+    linked.symlink_to(target, target_is_directory=True)
+    args = EngineArgs(model=str(linked), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match=r"path contains 'dflash'.*serve it from a path without 'dflash'"):
+        args.create_engine_config()
+    # the same rule is silent on a clean path and for the methods that name their drafter's family
+    refuse_method_taken_from_the_path({"method": "mtp"}, str(target))
+    refuse_method_taken_from_the_path({"method": "dflash", "model": str(linked)}, str(target))
 
 
 def test_the_server_refuses_a_bad_ladder_at_startup(models: tuple[Path, Path]) -> None:

@@ -11,6 +11,8 @@ config hook can add a key to ``--speculative-config``. This module wraps that on
   capture and metrics then handle;
 - it turns async scheduling off (the seed's rule) and refuses ``--async-scheduling``, pipeline
   or data parallelism, and a stock schedule given as well;
+- it refuses `method="mtp"` on a checkpoint whose path stock would read as another method's
+  (`refuse_method_taken_from_the_path`);
 - with or without a ladder, it refuses `method="dflash"` with pipeline parallelism, and a DFlash
   drafter whose `dflash_config.target_feature_reduction` does not fit the target (`hc_mean` is
   required for a hyper-connection target, `dflash2.target_features`).
@@ -99,12 +101,33 @@ def refuse_pipeline_parallel(method: str | None, pipeline_parallel_size: int) ->
         )
 
 
+# Substrings stock vLLM 0.32's SpeculativeConfig looks for in the draft model's path to pick the
+# method, even when the user named one: `{"method": "mtp"}` on a checkpoint under ".../dflash..."
+# becomes DFlash and fails with "Model architectures ['DFlash<arch>'] are not supported".
+STOCK_METHOD_PATH_HINTS = ("eagle-", "eagle3", "dflash", "dspark")
+
+
+def refuse_method_taken_from_the_path(raw: Any, target_model: str) -> None:
+    """Refuse `method="mtp"` where stock would read another method out of the checkpoint's path."""
+    if not isinstance(raw, dict) or raw.get("method") != "mtp":
+        return
+    path = str(raw.get("model") or target_model)
+    hints = [hint for hint in STOCK_METHOD_PATH_HINTS if hint in path.lower()]
+    if hints:
+        raise SpeculativeSettingError(
+            f"speculative_config.method='mtp' with the checkpoint {path}: its path contains {hints[0]!r}, from "
+            "which stock vLLM takes another speculative method and then fails on the MTP head; serve it from a path "
+            f"without {', '.join(repr(h) for h in hints)} (a symbolic link will do)"
+        )
+
+
 def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     """`EngineArgs.create_speculative_config` that understands `dflash_concurrency_drafts`."""
 
     @functools.wraps(original)
     def create_speculative_config(self: Any, target_model_config: Any, target_parallel_config: Any) -> Any:
         raw = self.speculative_config
+        refuse_method_taken_from_the_path(raw, str(target_model_config.model))
         ladder: list[tuple[str, Any]] = []
         if isinstance(raw, dict):
             kept, ladder = _pop_ladder(raw)
