@@ -246,3 +246,33 @@ def test_cpu_engine_serves_fp16_through_the_portable_model(tiny_checkpoint: Call
     )
     served = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')][-1])["tokens"]
     assert served == reference_greedy(model, prompts, torch.float16)
+
+
+@pytest.mark.parametrize("v2_runner", ["0", "1"])
+def test_v1_runner_on_cuda_gets_piecewise_graphs_only(
+    configs: dict[str, Any], monkeypatch: pytest.MonkeyPatch, v2_runner: str
+) -> None:
+    """In vLLM's V1 model runner on CUDA the portable model's full decode graphs go (a one-token
+    prompt would replay them over a stale state slot); in V2, and off CUDA, nothing changes."""
+    from vllm import envs
+    from vllm.config import CUDAGraphMode
+
+    from qwen38_plugin.vllm_config_hook import keep_full_graphs_out_of_the_v1_runner
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2_runner)
+    envs.disable_envs_cache()  # read the variable now, not a value cached before
+    vllm_config = configs["float16"]
+    compilation = vllm_config.compilation_config
+    saved = compilation.cudagraph_mode
+    try:
+        for mode in (None, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY):
+            compilation.cudagraph_mode = mode
+            assert not keep_full_graphs_out_of_the_v1_runner(vllm_config)  # this CPU machine: untouched
+            assert compilation.cudagraph_mode == mode
+            changed = keep_full_graphs_out_of_the_v1_runner(vllm_config, on_cuda=True)
+            assert changed == (v2_runner == "0")
+            assert compilation.cudagraph_mode == (CUDAGraphMode.PIECEWISE if changed else mode)
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        assert not keep_full_graphs_out_of_the_v1_runner(vllm_config, on_cuda=True)
+    finally:
+        compilation.cudagraph_mode = saved

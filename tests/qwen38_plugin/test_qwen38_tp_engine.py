@@ -123,5 +123,7 @@ def test_geometry_that_cannot_split_fails_at_startup_naming_the_head_count(
         "qwen4_exp_text", overrides={"linear_num_key_heads": 1, "linear_num_value_heads": 3}, dtype="float32"
     )
     proc = start_engine(model, 2, [[1, 2, 3]])
+    log = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "linear_num_key_heads: 1 heads cannot be split over tensor_parallel_size=2" in proc.stdout + proc.stderr
+    assert "linear_num_key_heads: 1 heads cannot be split over tensor_parallel_size=2" in log
+    assert "Initializing a V1 LLM engine" not in log, log[-4000:]  # refused at config time, before any engine

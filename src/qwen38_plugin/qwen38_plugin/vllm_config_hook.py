@@ -78,6 +78,51 @@ def widen_draft_hidden_buffer(vllm_config: VllmConfig) -> bool:
     return True
 
 
+def refuse_geometry_tensor_parallelism_cannot_split(vllm_config: VllmConfig) -> None:
+    """The portable model's tensor-parallel split check (`qwen38_plugin.model.check_tensor_parallel`,
+    which the model runs again when it is built), here at config time: a geometry that cannot be
+    split fails in the process that parsed the arguments, before any engine or worker starts."""
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    if tp_size <= 1 or not choose(vllm_config).portable:
+        return
+    from qwen38_plugin.model import check_tensor_parallel
+
+    check_tensor_parallel(vllm_config.model_config.hf_text_config, tp_size, split_vocabulary=False)
+
+
+def keep_full_graphs_out_of_the_v1_runner(vllm_config: VllmConfig, on_cuda: bool | None = None) -> bool:
+    """Turn full CUDA graphs off where the portable model runs in vLLM's V1 model runner on CUDA;
+    True when it did.
+
+    V1 replays its full decode graph for every batch whose requests each schedule one token, a new
+    request whose whole prompt is one token included: its dispatch goes by shape alone (V2 keeps a
+    batch with a prefill out of full graphs). The graph runs the recurrent layers' decode kernels as
+    captured, so that request starts from whatever its state slot held instead of a zero state
+    (H200, 2026-11-30: V1 with graphs 7 of 8 prompts, the one-token prompt's first token wrong;
+    V1 eager and V2 with graphs 8 of 8). Piecewise graphs stay: the mixers run between them, eagerly,
+    with the metadata builders' prefill / decode split. ``on_cuda`` overrides the platform check
+    (for tests on a CPU machine)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    if not (current_platform.is_cuda() if on_cuda is None else on_cuda):
+        return False
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if (mode is not None and not mode.has_full_cudagraphs()) or vllm_config.use_v2_model_runner:
+        return False
+    if not choose(vllm_config).portable:
+        return False
+    logger.warning(
+        "qwen38_plugin: the portable Qwen4Exp in vLLM's V1 model runner: cudagraph_mode %s -> PIECEWISE (V1 "
+        "replays full decode graphs for one-token prompts, whose recurrent state must start at zero); use the "
+        "V2 runner (the default where it runs) for full CUDA graphs",
+        "default" if mode is None else mode.name,
+    )
+    compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    return True
+
+
 def install() -> list[str]:
     """Wrap stock's ``MODELS_CONFIG_MAP`` entry for the text architecture (idempotent)."""
     from vllm.model_executor.models import config as models_config
@@ -100,6 +145,8 @@ def install() -> list[str]:
         def verify_and_update_config(vllm_config: VllmConfig) -> None:
             run_stock_hook(stock_hook, vllm_config)
             widen_draft_hidden_buffer(vllm_config)
+            refuse_geometry_tensor_parallelism_cannot_split(vllm_config)
+            keep_full_graphs_out_of_the_v1_runner(vllm_config)
 
     table[ARCHITECTURE] = Qwen4ExpForCausalLMConfig
     return [f"{ARCHITECTURE} config hook (MTP draft buffer of hc * H)"]
