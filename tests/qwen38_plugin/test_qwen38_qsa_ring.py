@@ -102,6 +102,7 @@ def _fake_vllm_config(path: Path, block_size: int, spec_tokens: int) -> Any:
         model_config=SimpleNamespace(hf_text_config=config, dtype=torch.float32, uses_mrope=False),
         cache_config=SimpleNamespace(block_size=block_size, user_specified_block_size=True),
         compilation_config=SimpleNamespace(static_forward_context={}),
+        speculative_config=None,
         num_speculative_tokens=spec_tokens,
     )
 

@@ -185,6 +185,13 @@ def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
             "--enable-prefix-caching together with --speculative-config on CPU (vLLM's CPU runner cannot copy "
             "the recurrent states for it): pass --no-enable-prefix-caching"
         )
+    if method == "dflash" and target.prefix_caching:
+        # The QSA block keys are declared DCP-sharded beside a DFlash drafter (vllm_qsa_cache), and
+        # vLLM then groups them so that prefix-cache hits stop.
+        lacks.append(
+            "--enable-prefix-caching together with speculative method 'dflash' (the portable model's QSA block "
+            "keys then get no prefix-cache hits): pass --no-enable-prefix-caching"
+        )
     if target.pipeline_parallel_size > 1:
         lacks.append(f"pipeline_parallel_size={target.pipeline_parallel_size}: use --pipeline-parallel-size 1")
     if target.enable_hc_sp:

@@ -78,18 +78,6 @@ def widen_draft_hidden_buffer(vllm_config: VllmConfig) -> bool:
     return True
 
 
-def refuse_geometry_tensor_parallelism_cannot_split(vllm_config: VllmConfig) -> None:
-    """The portable model's tensor-parallel split check (`qwen38_plugin.model.check_tensor_parallel`,
-    which the model runs again when it is built), here at config time: a geometry that cannot be
-    split fails in the process that parsed the arguments, before any engine or worker starts."""
-    tp_size = vllm_config.parallel_config.tensor_parallel_size
-    if tp_size <= 1 or not choose(vllm_config).portable:
-        return
-    from qwen38_plugin.model import check_tensor_parallel
-
-    check_tensor_parallel(vllm_config.model_config.hf_text_config, tp_size, split_vocabulary=False)
-
-
 def keep_full_graphs_out_of_the_v1_runner(vllm_config: VllmConfig, on_cuda: bool | None = None) -> bool:
     """Turn full CUDA graphs off where the portable model runs in vLLM's V1 model runner on CUDA;
     True when it did.
@@ -145,7 +133,6 @@ def install() -> list[str]:
         def verify_and_update_config(vllm_config: VllmConfig) -> None:
             run_stock_hook(stock_hook, vllm_config)
             widen_draft_hidden_buffer(vllm_config)
-            refuse_geometry_tensor_parallelism_cannot_split(vllm_config)
             keep_full_graphs_out_of_the_v1_runner(vllm_config)
 
     table[ARCHITECTURE] = Qwen4ExpForCausalLMConfig

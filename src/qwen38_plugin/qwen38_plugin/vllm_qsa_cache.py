@@ -304,11 +304,15 @@ class QSABlockKeyCache(_CacheLayer):
                 f"QSA block keys: the attention block size {block_size} is not a multiple of indexer_compress_ratio "
                 f"{self.ratio}; use a --block-size that is a multiple of {self.ratio}"
             )
-        # Replicated over decode-context-parallel ranks; over one DCP rank replicated and sharded
-        # are the same layout: say sharded there, as the K/V's spec does, or vLLM's KV-layout
-        # resolver takes a DFlash drafter's K/V pages (another size) for a replicated draft
-        # beside a DCP-sharded target and asks for a block-outer layout the CPU backend lacks.
-        dcp_sharded = vllm_config.parallel_config.decode_context_parallel_size == 1
+        # Replicated over decode-context-parallel ranks. With a DFlash drafter, at one DCP rank
+        # (where replicated and sharded are the same layout) they say sharded, as the K/V's spec
+        # does: else vLLM's KV-layout resolver takes the drafter's K/V pages (another size) for a
+        # replicated draft beside a DCP-sharded target and asks for a block-outer layout the CPU
+        # backend lacks. Only then: vLLM groups sharded block keys so that prefix-cache hits stop
+        # (seen on CPU), and the dispatcher refuses DFlash with prefix caching.
+        spec = vllm_config.speculative_config
+        dflash = spec is not None and spec.method == "dflash"
+        dcp_sharded = dflash and vllm_config.parallel_config.decode_context_parallel_size == 1
         return MLAAttentionSpec(
             block_size=block_size, num_kv_heads=1, head_size=self.index_dim, dtype=self.dtype,
             tokens_per_state=self.ratio, dcp_sharded=dcp_sharded, max_tp_shards=1,  # replicated over TP ranks
