@@ -141,6 +141,10 @@ def test_portable_choice_refuses_what_the_portable_model_lacks() -> None:
     # ... and verifies a DFlash drafter's blocks (tests/dflash2/test_dflash_qwen4exp_engine.py) ...
     assert decide(dataclasses.replace(cpu, speculative_method="dflash"), None).portable
     assert decide(dataclasses.replace(fp16, speculative_method="dflash"), None).portable
+    # ... without prefix caching, on any platform (the QSA block keys would get no hits beside it)
+    with pytest.raises(DispatchError, match=r"--enable-prefix-caching together with speculative method 'dflash' "
+                       r".*pass --no-enable-prefix-caching"):  # fmt: skip
+        decide(dataclasses.replace(fp16, speculative_method="dflash", prefix_caching=True), None)
     # other proposers are not proven through a real engine: refused at startup, naming the fix
     for method in ("ngram", "eagle3", "eagle", "draft_model", "suffix"):
         with pytest.raises(DispatchError, match=rf"speculative method '{method}' \(the portable model drafts with its "
