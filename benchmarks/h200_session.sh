@@ -23,6 +23,9 @@
 #   c: CSF's kernels and both codecs served against their sources at TP=1 (GPU 0); meanwhile the
 #      Qwen4Exp NVFP4-CSF check (GPU 1).
 #   t: CSF at TP=2 on both GPUs, then its load overhead (after c; CSF_BUDGET seconds).
+#   x: speculative decoding on the portable model (gpu_session.py --only spec: no speculation, MTP, MTP
+#      with the concurrency ladder, DFlash; fp16, CUDA graphs) against transformers and each other
+#      (SPEC_RUNS: gpu_session.py's --spec-runs); then, with SM70_K set, part w's tests.
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
 #
 # This checkout's sources come first on PYTHONPATH (the kit's plugin wheels give the entry points).
@@ -114,6 +117,18 @@ t)
     timeout $(lim $((budget + 10))) $csf "$res/csf" --only tp2,load --budget "$budget" --work $work/csf \
         >"$res/csf.log" 2>&1
     ;;
+x)
+    # issue 12 on the GPU: MTP, MTP with the ladder and DFlash against no speculation and transformers
+    timeout $(lim 560) $q38 "$res/spec" --only spec --work $work/q38 ${SPEC_RUNS:+--spec-runs "$SPEC_RUNS"} \
+        >"$res/spec.log" 2>&1
+    grep -E '^spec ' "$res/spec.log"
+    if [ -n "${SM70_K:-}" ]; then
+        SM70_ENGINE_ATTENTION_BACKEND=FLASH_ATTN_V100 SM70_ENGINE_CUDA_GRAPHS=1 timeout $(lim 560) \
+            python3 -m pytest -q -rA -p no:cacheprovider -k "$SM70_K" tests/sm70_backend/test_awq_engine.py \
+            >"$res/sm70_engine.log" 2>&1
+        tail -8 "$res/sm70_engine.log"
+    fi
+    ;;
 v)
     # vLLM's V1 model runner on GPU 1 (fp16, CUDA graphs and eager) while GPU 0 runs fp16 eager in V2
     CUDA_VISIBLE_DEVICES=$G1 timeout $(lim 250) $q38 "$res/exact-v1" --only exact --runners v1 --dtypes float16 \
@@ -193,7 +208,7 @@ e)
     wait
     ;;
 *)
-    echo "part: a, b, c, d, e, m, p, s, t, v or w" >&2
+    echo "part: a, b, c, d, e, m, p, s, t, v, w or x" >&2
     exit 2
     ;;
 esac

@@ -1,7 +1,7 @@
 """Every GPU check of the portable Qwen4Exp, for a lent GPU machine with the kit of
 ../shared/docs/h200-vllm.md installed (stock vLLM 0.32 and this checkout's plugins):
 
-    python3 benchmarks/qwen38_plugin/gpu_session.py OUT [--only ops,exact,tp2,bench]
+    python3 benchmarks/qwen38_plugin/gpu_session.py OUT [--only ops,exact,tp2,bench,mm,spec]
         [--runners v2,v1] [--dtypes float16,bfloat16] [--modes graphs,compiled,eager]
         [--work /tmp/qwen38_gpu_session] [--device cuda]
 
@@ -32,6 +32,14 @@
    bench_mm_ttft.py (time to first token with and without a 1-megapixel image through `vllm serve`).
    Writes ``mm.json``. ``--device cpu`` runs the same step on the CPU as a dry run: float32 (tokens
    then identical), smaller media, a one-block tower.
+6. ``spec`` (only when named in ``--only``): speculative decoding on the portable model in float16
+   with vLLM's default CUDA graphs: the tiny checkpoint with its MTP head and the two-token lm_head
+   of tests/qwen38_plugin/test_qwen38_spec_verify_engine.py (drafts accepted often, so verify
+   steps keep several tokens and the GDN / PLE / QSA states roll back), the prompts of ``exact``
+   all together, served without speculation, with MTP (``num_speculative_tokens`` 3), MTP with
+   dflash2's concurrency ladder, and DFlash (a tiny drafter through a ``dflash2-view``, 4 drafts);
+   each against transformers by the rule of ``exact`` and against the run without speculation
+   (equal tokens), with vLLM's spec-decode counters. Writes ``spec.json``.
 
 Each engine runs in a child process with a time limit, so one failure does not stop the others;
 results are written to OUT as they come (``exact.json``, ``summary.json``, one log per child), so
@@ -114,23 +122,24 @@ def engine_run(
     return served
 
 
-def reference(model: Path, dtype: str) -> tuple[list[list[int]], list[list[float]]]:
+def reference(model: Path, dtype: str, device: str = "cuda") -> tuple[list[list[int]], list[list[float]]]:
     """transformers' greedy tokens and, per step, the margin between its top two logprobs."""
     import torch
     from transformers import Qwen4ExpForCausalLM
 
-    hf = Qwen4ExpForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).cuda().eval()
+    hf = Qwen4ExpForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
     tokens, margins = [], []
     with torch.no_grad():
         for p in prompts(0):
-            ids = torch.tensor([p], device="cuda")
+            ids = torch.tensor([p], device=device)
             gen = hf.generate(ids, max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0,
                               output_scores=True, return_dict_in_generate=True)  # fmt: skip
             tokens.append(gen.sequences[0, len(p) :].tolist())
             top = [torch.log_softmax(s[0].float(), -1).topk(2).values for s in gen.scores]
             margins.append([float(t[0] - t[1]) for t in top])
     del hf
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return tokens, margins
 
 
@@ -316,12 +325,80 @@ def mm(out: Path, work: Path, device: str) -> dict[str, Any]:
     return report
 
 
+SPEC_LADDER = {"2": 2, "5": 1}  # 1 running request: 3 drafts; 2-4: 2; 5 or more: 1
+
+
+SPEC_RUNS = ("plain", "mtp3", "mtp3-ladder", "dflash4", "dflash4-eager", "dflash4-v1")
+SPEC_DEFAULT_RUNS = SPEC_RUNS[:4]  # -eager: without CUDA graphs; -v1: vLLM's V1 model runner
+
+
+def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]:
+    """Step 6 (see the module's docstring); ``device`` cpu: a dry run in float32."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # the repository's tests package
+    from dflash2.tiny import build_tiny_drafter
+    from dflash2.view import make_view
+    from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
+    from tests.qwen38_plugin.test_qwen38_spec_verify_engine import MTP, two_token_checkpoint
+
+    dtype = "float16" if device == "cuda" else "float32"
+    env = {} if device == "cuda" else {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    root = work / f"spec-{dtype}"
+    model = root / "target"
+    if not model.exists():
+        source = build_tiny_checkpoint(root / "source", "qwen4_exp_text", dtype=dtype, overrides=MTP, overwrite=True)
+        two_token_checkpoint(source, model)
+    view = root / "view"
+    if not view.exists():
+        make_view(build_tiny_drafter(root / "dflash", model, overwrite=True), view, max_position_embeddings=512)
+    ref, margins = reference(model, dtype, device)
+    report: dict[str, Any] = {"device": device, "dtype": dtype, "prompts": [len(p) for p in prompts(0)], "steps": STEPS}
+    engine = {"max_num_batched_tokens": 64, "max_num_seqs": 16, "max_model_len": 512}
+    verify = ROOT / "tests/qwen38_plugin/qwen38_engine_verify.py"
+    dflash_args = [str(ROOT / "tests/dflash2/spec_engine_run.py"), str(model),
+                   json.dumps({"method": "dflash", "model": str(view), "num_speculative_tokens": 4}),
+                   json.dumps(prompts(0)), json.dumps([STEPS] * len(prompts(0)))]  # fmt: skip
+    dflash_engine = {**engine, "dtype": dtype, "enable_prefix_caching": False}
+    runs: dict[str, tuple[list[str], dict[str, str]]] = {
+        "plain": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "0", json.dumps(engine)], {}),
+        "mtp3": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "3", json.dumps(engine)], {}),
+        "mtp3-ladder": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "3",
+                         json.dumps({**engine, "speculative_extra": {"dflash_concurrency_drafts": SPEC_LADDER}})], {}),
+        "dflash4": ([*dflash_args, json.dumps(dflash_engine)], {}),
+        "dflash4-eager": ([*dflash_args, json.dumps({**dflash_engine, "enforce_eager": True})], {}),
+        "dflash4-v1": ([*dflash_args, json.dumps(dflash_engine)], RUNNER_ENV["v1"]),
+    }  # fmt: skip
+    plain: list[list[int]] | None = None
+    for name in names:
+        args, run_env = runs[name]
+        result = run(f"spec-{name}", [sys.executable, *args], out, 300, {**env, **run_env})
+        lines = [line for line in (out / f"spec-{name}.log").read_text().splitlines() if line.startswith('{"tokens"')]
+        if not lines:
+            report[name] = {"ok": False, "error": f"engine failed: see spec-{name}.log", "tail": result["tail"][-600:]}
+        else:
+            served = json.loads(lines[-1])
+            entry = {"vs_transformers": compare(served["tokens"], ref, margins, dtype), "seconds": result["seconds"]}
+            if "spec_decode" in served:
+                entry["spec_decode"] = served["spec_decode"]
+            if "accepted" in served:
+                drafted = sum(sum(row) for row in served["drafted"])
+                entry["spec_decode"] = {"drafted": drafted, "accepted": sum(sum(row) for row in served["accepted"])}
+            if name == "plain":
+                plain = served["tokens"]
+            entry["equals_plain"] = served["tokens"] == plain if plain is not None else "no plain run before it"
+            entry["ok"] = entry["vs_transformers"]["ok"]
+            report[name] = entry
+        (out / "spec.json").write_text(json.dumps(report, indent=2))
+        print(f"spec {name}:", json.dumps(report[name]), flush=True)
+    return report
+
+
 RUNNER_ENV = {"v2": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 # graphs: vLLM's default for the Qwen4ExpForCausalLM architecture on CUDA, breakable CUDA graphs
 # without torch.compile; compiled: torch.compile with piecewise and full CUDA graphs.
 MODE_ENV = {"graphs": {}, "compiled": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, "eager": {}}
-STEPS_OF_SESSION = ("ops", "exact", "tp2", "bench", "mm")
-DEFAULT_STEPS = ("ops", "exact", "tp2", "bench")  # mm only when named
+STEPS_OF_SESSION = ("ops", "exact", "tp2", "bench", "mm", "spec")
+DEFAULT_STEPS = ("ops", "exact", "tp2", "bench")  # mm and spec only when named
 
 
 def main() -> None:
@@ -333,8 +410,14 @@ def main() -> None:
     parser.add_argument("--modes", default="graphs,compiled,eager", help="of the exact step")
     parser.add_argument("--work", type=Path, default=Path("/tmp/qwen38_gpu_session"))
     parser.add_argument("--bench-args", default="", help="extra arguments for bench_gpu.py")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="of the mm step: cpu is a dry run (float32, small media, a one-block tower)")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="of the mm and spec steps: cpu is a dry run (float32; mm: small media, one tower block)",
+    )
+    parser.add_argument("--spec-runs", default=",".join(SPEC_DEFAULT_RUNS),
+                        help=f"of the spec step, of {', '.join(SPEC_RUNS)}")  # fmt: skip
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
     unknown = only - set(STEPS_OF_SESSION)
@@ -374,6 +457,11 @@ def main() -> None:
         if args.device == "cuda" and not gpus:
             parser.error("--only mm: no CUDA device here; --device cpu runs the step on the CPU (a dry run)")
         summary["mm"] = mm(out, args.work, args.device)
+    if "spec" in only:
+        runs = [r for r in args.spec_runs.split(",") if r]
+        if set(runs) - set(SPEC_RUNS):
+            parser.error(f"--spec-runs: unknown {sorted(set(runs) - set(SPEC_RUNS))}; choose from {SPEC_RUNS}")
+        summary["spec"] = spec(out, args.work, args.device, runs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
 
 

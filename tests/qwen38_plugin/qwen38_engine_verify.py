@@ -4,7 +4,8 @@ JSON: the tokens and vLLM's spec-decode counters.
 
 Usage: qwen38_engine_verify.py MODEL DTYPE STEPS PROMPTS_JSON NUM_SPECULATIVE_TOKENS [extra LLM kwargs as JSON]
 
-The extra kwargs may hold ``"method"`` (``"mtp"``, the default, or ``"ngram"``). The dispatcher
+The extra kwargs may hold ``"method"`` (``"mtp"``, the default, or ``"ngram"``) and
+``"speculative_extra"`` (more keys of the speculative config, e.g. dflash2's ladder). The dispatcher
 serves ``mtp`` only; for ``ngram`` this script lifts the refusal in its own process, so a real
 engine runs the verify path with a proposer that needs no draft model. A speculative run passes
 ``enable_prefix_caching=False``, which the dispatcher requires on CPU with speculation.
@@ -35,10 +36,12 @@ def main() -> None:
 
     extra.setdefault("max_model_len", 512)
     method = extra.pop("method", "mtp")
+    speculative_extra = extra.pop("speculative_extra", {})
     if int(num_spec):
         speculative: dict[str, Any] = {"method": method, "num_speculative_tokens": int(num_spec)}
         if method == "ngram":
             speculative |= {"prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        speculative |= speculative_extra
         extra["speculative_config"] = speculative
         extra["enable_prefix_caching"] = False
     # token-id prompts only: without the tokenizer (stock loads and deep-copies it, ~10 s a start on 2 cores)

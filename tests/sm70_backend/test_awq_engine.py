@@ -113,12 +113,15 @@ def test_attention_layers_run_the_backend_asked_for(served: dict[str, Any]) -> N
 def worst_logprob_error(served: dict[str, Any], checkpoint: Path, check_greedy: bool) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    # On a GPU machine the oracle runs there: transformers' Qwen4Exp hands its delta rule to fla-core's
+    # Triton kernels whenever fla-core is installed, and those refuse CPU tensors.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device).eval()
     worst = 0.0
     for request in served["requests"]:
         ids = request["prompt_ids"] + request["tokens"]
         with torch.no_grad():
-            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+            logprobs = torch.log_softmax(model(torch.tensor([ids], device=device)).logits[0].float(), -1).cpu()
         n = len(request["prompt_ids"])
         for i in range(1, n):  # prompt logprobs: of token i given tokens < i
             got, want = request["prompt_logprobs"][i], float(logprobs[i - 1, ids[i]])

@@ -13,6 +13,16 @@ and returns the layer's output streams; `compute_logits` applies the head's fina
 lm_head. vLLM's V1 proposer uses one output tensor for both (the next step's hidden states and
 the logits' input), shares the target's embedding and lm_head, and always runs layer 0.
 
+Where the draft layer's indexer keys live depends on vLLM's model runner:
+
+- vLLM's V2 model runner (its default on CUDA) builds the draft's attention metadata for every
+  KV-cache group its layers use, so the draft QSA layer registers the same three caches as a
+  target QSA layer (`QSAKVCache`: K/V, compressed block keys, key ring), all inside vLLM's
+  KV-cache memory accounting, and attends exactly as a target layer does;
+- vLLM's V1 model runner (the CPU's) imposes what follows. On CUDA the V1 runner is refused for
+  MTP (its side tensors would be allocated after vLLM gave the GPU memory to the KV cache: the
+  H200 ran out of memory at startup, 2026-12-01), naming ``VLLM_USE_V2_MODEL_RUNNER``.
+
 What V1's proposer imposes, and how this module meets it:
 
 - every draft layer in one KV-cache group: a draft QSA layer registers only its K/V with vLLM,
@@ -99,10 +109,21 @@ class DraftQSAKVCache(QSAKVCache):
 
 
 class DraftQSAAttention(PortableQSAAttention):
-    """The MTP head's QSA attention (the target's projections and ops, `DraftQSAKVCache` caches)."""
+    """The MTP head's QSA attention: the target's projections and ops; in vLLM's V2 model runner
+    the target's caches, in V1 `DraftQSAKVCache` (see the module docstring)."""
 
     def make_cache(self, vllm_config: VllmConfig, prefix: str) -> QSAKVCache:
-        return DraftQSAKVCache(vllm_config, prefix, self.num_kv_heads)
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda_alike():  # the CPU runs vLLM's V1 model runner
+            return DraftQSAKVCache(vllm_config, prefix, self.num_kv_heads)
+        if vllm_config.use_v2_model_runner:
+            return QSAKVCache(vllm_config, prefix, self.num_kv_heads)
+        raise ConfigError(
+            "MTP on the portable Qwen4Exp on CUDA needs vLLM's V2 model runner (its default): the V1 runner "
+            "keeps the draft layer's indexer keys outside vLLM's KV-cache memory; unset "
+            "VLLM_USE_V2_MODEL_RUNNER or set it to 1"
+        )
 
     def attend(
         self,
@@ -116,7 +137,9 @@ class DraftQSAAttention(PortableQSAAttention):
         out: torch.Tensor,
     ) -> None:
         cache = self.cache
-        assert isinstance(cache, DraftQSAKVCache)
+        if not isinstance(cache, DraftQSAKVCache):  # V2 model runner: a target layer's caches
+            super().attend(q, gate, k, v, index_q, raw_keys, positions, out)
+            return
         meta: QSAMetadata | None = vllm_ops.step_metadata(cache.prefix)
         step = real_tokens(meta, q, gate, k, v, index_q, raw_keys, positions, out)
         if meta is None or step is None:
