@@ -3,7 +3,9 @@
 Usage: spec_engine_run.py MODEL SPECULATIVE_CONFIG_JSON PROMPTS_JSON MAX_TOKENS_JSON [LLM kwargs JSON]
 
 All prompts (token ids) are submitted together, request i with greedy sampling, `ignore_eos` and
-MAX_TOKENS[i] tokens. The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+MAX_TOKENS[i] tokens. ``"lift_gpu_dflash_refusal": true`` among the LLM kwargs (not passed to vLLM)
+lifts the portable model's refusal of DFlash on a GPU in this process (for the GPU session's study of
+it). The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so all requests are queued before its first step, and every step's `SchedulerOutput` (what the
 target runs and verifies) is recorded as it leaves stock's scheduler.
 
@@ -22,10 +24,27 @@ import sys
 from typing import Any
 
 
+def lift_gpu_dflash_refusal() -> None:
+    """In this process only (engine core included): let the portable model verify a DFlash drafter on a GPU,
+    which its dispatcher refuses (not yet lossless there), so that a GPU session can study it."""
+    import dataclasses
+
+    from qwen38_plugin import dispatch
+
+    refuse = dispatch._refuse_what_portable_lacks
+
+    def refuse_but_gpu_dflash(target: dispatch.Target, choice: dispatch.Choice) -> None:
+        refuse(dataclasses.replace(target, platform="cpu") if target.speculative_method == "dflash" else target, choice)
+
+    dispatch._refuse_what_portable_lacks = refuse_but_gpu_dflash
+
+
 def main() -> None:
     model, spec_json, prompts_json, max_tokens_json = sys.argv[1:5]
     extra: dict[str, Any] = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if extra.pop("lift_gpu_dflash_refusal", False):
+        lift_gpu_dflash_refusal()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -140,11 +140,15 @@ def test_portable_choice_refuses_what_the_portable_model_lacks() -> None:
         decide(dataclasses.replace(cpu, architecture=dispatch.MM_ARCHITECTURE), None)
     # ... and verifies a DFlash drafter's blocks (tests/dflash2/test_dflash_qwen4exp_engine.py) ...
     assert decide(dataclasses.replace(cpu, speculative_method="dflash"), None).portable
-    assert decide(dataclasses.replace(fp16, speculative_method="dflash"), None).portable
-    # ... without prefix caching, on any platform (the QSA block keys would get no hits beside it)
+    # ... without prefix caching (the QSA block keys would get no hits beside it) ...
     with pytest.raises(DispatchError, match=r"--enable-prefix-caching together with speculative method 'dflash' "
                        r".*pass --no-enable-prefix-caching"):  # fmt: skip
-        decide(dataclasses.replace(fp16, speculative_method="dflash", prefix_caching=True), None)
+        decide(dataclasses.replace(cpu, speculative_method="dflash", prefix_caching=True), None)
+    # ... and on the CPU only: on the H200 its greedy output differed from the target alone (MTP's did not)
+    for gpu in (fp16, Target("cuda", (7, 0), torch.float16), Target("rocm", None, torch.float16)):
+        refused = rf"speculative method 'dflash' on {gpu.platform} \(on the H200 its greedy output differed "
+        with pytest.raises(DispatchError, match=refused + r".*use --speculative-config .*mtp.* \(lossless on the H200"):
+            decide(dataclasses.replace(gpu, speculative_method="dflash"), None)
     # other proposers are not proven through a real engine: refused at startup, naming the fix
     for method in ("ngram", "eagle3", "eagle", "draft_model", "suffix"):
         with pytest.raises(DispatchError, match=rf"speculative method '{method}' \(the portable model drafts with its "

@@ -164,3 +164,22 @@ def test_drafter_refuses_a_checkpoint_without_mtp_head(
         pytest.raises(ConfigError, match="mtp_num_hidden_layers: 0; the checkpoint has no MTP head"),
     ):
         PortableQwen4ExpMTP(vllm_config=vllm_config)
+
+
+def test_draft_caches_follow_the_model_runner(drafter: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU (V1): side tensors (the engine tests' path). CUDA: vLLM's V2 runner gets the target's three
+    caches, inside vLLM's KV-cache accounting; V1 is refused (its side tensors ran the H200 out of memory)."""
+    from qwen38_plugin.model import ConfigError
+    from qwen38_plugin.vllm_mtp import DraftQSAKVCache, draft_cache_class
+    from qwen38_plugin.vllm_qsa_cache import QSAKVCache
+
+    _, vllm_config = drafter
+    assert isinstance(drafter[0].model.layers[0].self_attn.cache, DraftQSAKVCache)  # built on this CPU
+    assert draft_cache_class(vllm_config, on_cuda=False) is DraftQSAKVCache
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert draft_cache_class(vllm_config, on_cuda=True) is QSAKVCache
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(
+        ConfigError, match=r"needs vLLM's V2 model runner .*unset VLLM_USE_V2_MODEL_RUNNER or set it to 1"
+    ):
+        draft_cache_class(vllm_config, on_cuda=True)

@@ -185,6 +185,15 @@ def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
             "--enable-prefix-caching together with --speculative-config on CPU (vLLM's CPU runner cannot copy "
             "the recurrent states for it): pass --no-enable-prefix-caching"
         )
+    if method == "dflash" and target.platform != "cpu":
+        # On the H200 (2026-12-01, benchmarks/qwen38_plugin/results/h200_spec.txt) greedy output with a
+        # DFlash drafter differed from the target alone (6 of 8 prompts identical, in both of vLLM's
+        # model runners, with and without CUDA graphs) while MTP was identical: refused until found.
+        lacks.append(
+            f"speculative method 'dflash' on {target.platform} (on the H200 its greedy output differed from the "
+            "target alone; it is lossless on CPU only so far): use --speculative-config "
+            '\'{"method": "mtp", ...}\' (lossless on the H200) or drop --speculative-config'
+        )
     if method == "dflash" and target.prefix_caching:
         # The QSA block keys are declared DCP-sharded beside a DFlash drafter (vllm_qsa_cache), and
         # vLLM then groups them so that prefix-cache hits stop.

@@ -108,22 +108,30 @@ class DraftQSAKVCache(QSAKVCache):
         )  # fmt: skip
 
 
+def draft_cache_class(vllm_config: VllmConfig, on_cuda: bool | None = None) -> type[QSAKVCache]:
+    """The draft QSA layer's caches: the target's in vLLM's V2 model runner, side tensors in V1 on
+    CPU; V1 on CUDA is refused. ``on_cuda`` overrides the platform check (for tests on a CPU machine)."""
+    if on_cuda is None:
+        from vllm.platforms import current_platform
+
+        on_cuda = current_platform.is_cuda_alike()
+    if not on_cuda:  # the CPU runs vLLM's V1 model runner
+        return DraftQSAKVCache
+    if vllm_config.use_v2_model_runner:
+        return QSAKVCache
+    raise ConfigError(
+        "MTP on the portable Qwen4Exp on CUDA needs vLLM's V2 model runner (its default): the V1 runner "
+        "keeps the draft layer's indexer keys outside vLLM's KV-cache memory; unset "
+        "VLLM_USE_V2_MODEL_RUNNER or set it to 1"
+    )
+
+
 class DraftQSAAttention(PortableQSAAttention):
     """The MTP head's QSA attention: the target's projections and ops; in vLLM's V2 model runner
     the target's caches, in V1 `DraftQSAKVCache` (see the module docstring)."""
 
     def make_cache(self, vllm_config: VllmConfig, prefix: str) -> QSAKVCache:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cuda_alike():  # the CPU runs vLLM's V1 model runner
-            return DraftQSAKVCache(vllm_config, prefix, self.num_kv_heads)
-        if vllm_config.use_v2_model_runner:
-            return QSAKVCache(vllm_config, prefix, self.num_kv_heads)
-        raise ConfigError(
-            "MTP on the portable Qwen4Exp on CUDA needs vLLM's V2 model runner (its default): the V1 runner "
-            "keeps the draft layer's indexer keys outside vLLM's KV-cache memory; unset "
-            "VLLM_USE_V2_MODEL_RUNNER or set it to 1"
-        )
+        return draft_cache_class(vllm_config)(vllm_config, prefix, self.num_kv_heads)
 
     def attend(
         self,
