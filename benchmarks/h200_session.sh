@@ -26,6 +26,8 @@
 #   x: speculative decoding on the portable model (gpu_session.py --only spec: no speculation, MTP, MTP
 #      with the concurrency ladder, DFlash; fp16, CUDA graphs) against transformers and each other
 #      (SPEC_RUNS: gpu_session.py's --spec-runs); then, with SM70_K set, part w's tests.
+#   k: issue 12 item 6 for MTP: bench_mtp_trained.py (train the medium checkpoint's MTP head on the
+#      target's own text, then decode tokens/s and acceptance length at concurrency 1 / 4 / 8 / 64).
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
 #
 # This checkout's sources come first on PYTHONPATH (the kit's plugin wheels give the entry points).
@@ -129,6 +131,11 @@ x)
         tail -8 "$res/sm70_engine.log"
     fi
     ;;
+k)
+    timeout $(lim 580) python3 benchmarks/qwen38_plugin/bench_mtp_trained.py "$res/mtp" --work $work/mtp \
+        --timeout 300 ${MTP_ARGS:-} >"$res/bench_mtp.log" 2>&1
+    grep -v '^train: step' "$res/bench_mtp.log" | tail -25
+    ;;
 v)
     # vLLM's V1 model runner on GPU 1 (fp16, CUDA graphs and eager) while GPU 0 runs fp16 eager in V2
     CUDA_VISIBLE_DEVICES=$G1 timeout $(lim 250) $q38 "$res/exact-v1" --only exact --runners v1 --dtypes float16 \
@@ -208,7 +215,7 @@ e)
     wait
     ;;
 *)
-    echo "part: a, b, c, d, e, m, p, s, t, v, w or x" >&2
+    echo "part: a, b, c, d, e, k, m, p, s, t, v, w or x" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,384 @@
+"""Issue 12 item 6 for MTP: train the checkpoint's MTP head on text the target generates, then
+measure speculative decoding inside stock vLLM against no speculation, in one run.
+
+    python benchmarks/qwen38_plugin/bench_mtp_trained.py OUT_DIR [--config medium] [--dtype float16]
+        [--sequences 256] [--new-tokens 192] [--train-steps 400] [--drafts 1,3] [--batches 1,4,8,64]
+    python benchmarks/qwen38_plugin/bench_mtp_trained.py OUT_DIR --dry-run     # the same on CPU, tiny
+
+1. ``generate`` (a vLLM child, no speculation): the random checkpoint of ``--config`` with an MTP
+   head (``mtp_num_hidden_layers`` 1) greedily continues ``--sequences`` random prompts of 16
+   tokens by ``--new-tokens`` tokens: the target's own text.
+2. ``train`` (this process, plain torch on the GPU): the target's residual streams before its final
+   mixer come from the plain-torch oracle (`qwen38_plugin.model.Qwen4ExpCore.forward_streams`,
+   no gradient); the head (`qwen38_plugin.mtp_reference.Qwen4ExpMTPReference`, stock's semantics,
+   the target's embedding and lm_head frozen) is trained teacher-forced to predict token p + 2 from
+   the streams at p and token p + 1 (cross entropy, AdamW), one sequence per step; the loss and the
+   head's top-1 agreement with the target on held-out sequences are printed before and after.
+   The trained ``mtp.*`` tensors go into a copy of the checkpoint under their on-disk names.
+3. ``measure`` (a vLLM child per setting, vLLM's defaults: V2 runner and CUDA graphs on a GPU): on
+   new random prompts, decode tokens/s at each batch size (concurrency) without speculation and with
+   MTP at each ``--drafts`` count, the head before and after training; the acceptance length (1 +
+   accepted drafts per verify step, from vLLM's spec-decode counters) and the speed-up against no
+   speculation. Targets (issue 12): acceptance length >= 2.5 and >= 1.8x at concurrency 1.
+
+Results: OUT_DIR/bench_mtp_trained.json and a table. ``--dry-run`` proves the script on CPU (the
+tiny config in float32, a few sequences and steps, batches 1 and 2; vLLM's CPU runner wants prefix
+caching off with speculation): its numbers are not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
+
+from bench_cpu import CONFIGS  # noqa: E402  (the model geometries of the CPU and GPU benchmarks)
+
+PROMPT_LEN = 16
+MTP = {"mtp_num_hidden_layers": 1}
+
+
+def build_checkpoint(work: Path, config: str, dtype: str) -> Path:
+    from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
+
+    path = work / f"ckpt-{config}-{dtype}-mtp"
+    if not path.exists():
+        build_tiny_checkpoint(path, "qwen4_exp_text", overrides={**CONFIGS[config], **MTP}, dtype=dtype)
+    return path
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 240_000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM children
+# ---------------------------------------------------------------------------------------------
+
+
+def engine_kwargs(args: argparse.Namespace, drafts: int) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "model": args.model, "dtype": args.dtype, "seed": 0, "skip_tokenizer_init": True,
+        "max_model_len": PROMPT_LEN + args.new_tokens + 16, "max_num_seqs": max(args.batches),
+    }  # fmt: skip
+    if args.cpu:
+        kwargs["enable_prefix_caching"] = False  # vLLM's CPU runner, with speculation
+    else:
+        kwargs["gpu_memory_utilization"] = 0.5
+    if drafts:
+        kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": drafts}
+    return kwargs
+
+
+def child_generate(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_kwargs(args, 0))
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in random_prompts(args.sequences, seed=1)]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return {"sequences": [list(o.prompt_token_ids or []) + list(o.outputs[0].token_ids) for o in outputs]}
+
+
+def spec_counters(llm: Any) -> dict[str, float]:
+    from vllm.v1.metrics.reader import Counter
+
+    return {
+        m.name.removeprefix("vllm:"): m.value
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:spec_decode_num") and isinstance(m, Counter)
+    }
+
+
+def child_measure(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_kwargs(args, args.drafts), disable_log_stats=False)
+    results: dict[str, Any] = {}
+    for batch in args.batches:
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in random_prompts(batch, seed=1000 + batch)]
+
+        def run(max_tokens: int, inputs: list[TokensPrompt] = inputs) -> float:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            start = time.perf_counter()
+            llm.generate(inputs, params, use_tqdm=False)
+            return time.perf_counter() - start
+
+        run(4)  # warm-up at this batch size
+        prefill = min(run(1) for _ in range(args.repeats))
+        before = spec_counters(llm)
+        totals = [run(args.new_tokens) for _ in range(args.repeats)]
+        after = spec_counters(llm)
+        total = min(totals)
+        row: dict[str, Any] = {"decode_tok_s": batch * (args.new_tokens - 1) / max(total - prefill, 1e-9)}
+        drafts = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
+        if drafts:
+            accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+            row["acceptance_length"] = 1 + accepted / drafts
+            row["verify_steps"] = drafts / args.repeats
+        results[str(batch)] = row
+        print("RESULT " + json.dumps(results), flush=True)
+    return results
+
+
+def run_child(kind: str, args: argparse.Namespace, model: Path, tag: str, timeout: int, **extra: Any) -> dict[str, Any]:
+    """A child process (``--child kind``); its last RESULT line, or the error."""
+    cmd = [sys.executable, __file__, str(args.out), "--child", kind, "--model", str(model), "--dtype", args.dtype,
+           "--batches", ",".join(map(str, args.batches)), "--new-tokens", str(args.new_tokens),
+           "--sequences", str(args.sequences), "--repeats", str(args.repeats),
+           "--drafts-one", str(extra.get("drafts", 0))]  # fmt: skip
+    if args.cpu:
+        cmd.append("--cpu")
+    env = {**os.environ, **({"VLLM_CPU_KVCACHE_SPACE": "2"} if args.cpu else {})}
+    log = args.out / f"child-{tag}.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            proc.wait(timeout=timeout)
+            error = None if proc.returncode == 0 else f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            error = f"timed out after {timeout} s"
+    output = log.read_text(errors="replace")
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :]) if lines else {}
+    if error is not None:
+        errors = [line for line in output.splitlines() if "Error" in line]
+        result["error"] = (errors[-1] if errors else error)[:500] + f" ({error}; log: {log.name})"
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+
+def load_oracle(model: Path, device: str) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoConfig
+
+    from qwen38_plugin.model import Qwen4ExpCore, iter_safetensors
+    from qwen38_plugin.mtp_reference import Qwen4ExpMTPReference
+
+    config = AutoConfig.from_pretrained(model)
+    core, head = Qwen4ExpCore(config), Qwen4ExpMTPReference(config)
+    tensors = list(iter_safetensors(model))
+    core.load_checkpoint_tensors(tensors)
+    head.load_checkpoint_tensors(tensors)
+    # fp32 masters for training (the served checkpoint keeps its dtype)
+    return core.to(device=device, dtype=torch.float32).eval(), head.to(device=device, dtype=torch.float32)
+
+
+def target_streams(core: Any, sequences: list[list[int]], device: str) -> list[Any]:
+    """The target's streams before its final mixer at every position of each sequence (no gradient)."""
+    import torch
+
+    from qwen38_plugin.model import DictStateStore, SequenceCache
+
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor(seq, device=device)
+            positions = torch.arange(len(seq), device=device)
+            _, streams = core.forward_streams(ids, positions, [len(seq)], DictStateStore(core, [SequenceCache()]))
+            out.append(streams)
+    return out
+
+
+def head_loss(core: Any, head: Any, streams: Any, seq: list[int], device: str) -> tuple[Any, Any]:
+    """Teacher-forced: the head at position p (streams p, token p + 1) predicts token p + 2."""
+    import torch
+    import torch.nn.functional as F
+
+    from qwen38_plugin.mtp_reference import MTPCache
+
+    ids = torch.tensor(seq, device=device)
+    n = ids.shape[0]
+    _, logits = head.step(core, streams[: n - 2], ids[1 : n - 1], torch.arange(n - 2, device=device), MTPCache())
+    target = ids[2:]
+    return F.cross_entropy(logits.float(), target), (logits.argmax(-1) == target).float().mean()
+
+
+def evaluate(core: Any, head: Any, streams: list[Any], sequences: list[list[int]], device: str) -> dict[str, float]:
+    import torch
+
+    with torch.no_grad():
+        pairs = [head_loss(core, head, s, q, device) for s, q in zip(streams, sequences, strict=True)]
+    return {"loss": float(sum(p[0] for p in pairs) / len(pairs)), "top1": float(sum(p[1] for p in pairs) / len(pairs))}
+
+
+def train(args: argparse.Namespace, model: Path, sequences: list[list[int]], device: str) -> dict[str, Any]:
+    import torch
+
+    core, head = load_oracle(model, device)
+    for p in core.parameters():
+        p.requires_grad_(False)
+    held_out = max(2, len(sequences) // 8)
+    train_seqs, eval_seqs = sequences[held_out:], sequences[:held_out]
+    start = time.perf_counter()
+    train_streams = target_streams(core, train_seqs, device)
+    eval_streams = target_streams(core, eval_seqs, device)
+    streams_s = time.perf_counter() - start
+    report: dict[str, Any] = {"train_sequences": len(train_seqs), "eval_sequences": len(eval_seqs),
+                              "target_streams_s": round(streams_s, 1), "before": evaluate(core, head, eval_streams,
+                              eval_seqs, device)}  # fmt: skip
+    print(f"train: before {report['before']}", flush=True)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    losses = []
+    for step in range(args.train_steps):
+        i = int(torch.randint(0, len(train_seqs), (1,), generator=gen))
+        loss, _ = head_loss(core, head, train_streams[i], train_seqs[i], device)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss))
+        if (step + 1) % max(1, args.train_steps // 10) == 0:
+            print(f"train: step {step + 1}/{args.train_steps} loss {sum(losses[-20:]) / len(losses[-20:]):.3f}",
+                  flush=True)  # fmt: skip
+    report["train_s"] = round(time.perf_counter() - start, 1)
+    report["after"] = evaluate(core, head, eval_streams, eval_seqs, device)
+    print(f"train: after {report['after']} ({report['train_s']} s)", flush=True)
+    trained = args.work / f"{model.name}-trained"
+    write_head(model, head, trained)
+    report["checkpoint"] = str(trained)
+    return report
+
+
+def write_head(source: Path, head: Any, destination: Path) -> None:
+    """A copy of ``source`` whose ``mtp.*`` tensors are the trained head's (on-disk names and dtypes);
+    written beside and renamed into place, so a stopped run leaves no half-written checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    params = {name: p.detach().cpu() for name, p in head.named_parameters()}
+    staging = destination.with_name(destination.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging)
+    for file in sorted(staging.glob("*.safetensors")):
+        tensors = load_file(file)
+        for name, tensor in tensors.items():
+            if not name.startswith("mtp."):
+                continue
+            key = name.removeprefix("mtp.")
+            parts = key.split(".")
+            if key in params:
+                value = params[key]
+            elif ".mlp.experts." in key and parts[-3].isdigit():
+                prefix, expert, kind = ".".join(parts[:-3]), int(parts[-3]), parts[-2]
+                if kind == "down_proj":
+                    value = params[f"{prefix}.down_proj"][expert]
+                else:
+                    gate_up = params[f"{prefix}.gate_up_proj"][expert]
+                    half = gate_up.shape[0] // 2
+                    value = gate_up[:half] if kind == "gate_proj" else gate_up[half:]
+            else:
+                continue  # tensors the head does not train (e.g. the final mixer's unused injection)
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise RuntimeError(f"write_head: {name}: trained shape {tuple(value.shape)} != {tuple(tensor.shape)}")
+            tensors[name] = value.to(tensor.dtype).contiguous()
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    shutil.rmtree(destination, ignore_errors=True)
+    staging.rename(destination)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def print_table(report: dict[str, Any]) -> None:
+    plain = report["measure"].get("plain", {})
+    print(f"{'setting':<22}{'batch':>6}{'tok/s':>10}{'x plain':>9}{'accept len':>11}")
+    for setting, rows in report["measure"].items():
+        if "error" in rows:
+            print(f"{setting:<22} error: {rows['error']}")
+            continue
+        for batch, row in rows.items():
+            base = plain.get(batch, {}).get("decode_tok_s")
+            ratio = f"{row['decode_tok_s'] / base:9.2f}" if base else f"{'':>9}"
+            accept = f"{row['acceptance_length']:11.2f}" if "acceptance_length" in row else f"{'':>11}"
+            print(f"{setting:<22}{batch:>6}{row['decode_tok_s']:10.1f}{ratio}{accept}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--config", default="medium", choices=sorted(CONFIGS))
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=192)
+    parser.add_argument("--train-steps", type=int, default=400)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--drafts", default="1,3")
+    parser.add_argument("--batches", default="1,4,8,64")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/qwen38_bench_mtp"))
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per vLLM child")
+    parser.add_argument("--dry-run", action="store_true", help="on CPU: tiny, float32, a few sequences and steps")
+    parser.add_argument("--child", choices=("generate", "measure"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--drafts-one", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.batches = [int(b) for b in str(args.batches).split(",") if b]
+    if args.child:
+        args.drafts = args.drafts_one
+        result = child_generate(args) if args.child == "generate" else child_measure(args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    if args.dry_run:
+        args.config, args.dtype, args.sequences, args.new_tokens, args.train_steps = "tiny", "float32", 6, 24, 12
+        args.batches, args.repeats, args.drafts = [1, 2], 1, "2"
+    import torch
+
+    args.cpu = not torch.cuda.is_available()
+    if args.cpu and not args.dry_run:
+        parser.error(
+            "no CUDA device here: pass --dry-run to prove the script on CPU (its numbers are not measurements)"
+        )
+    device = "cpu" if args.cpu else "cuda"
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    model = build_checkpoint(args.work, args.config, args.dtype)
+    report: dict[str, Any] = {"config": args.config, "dtype": args.dtype, "device": device,
+                              "name": torch.cuda.get_device_name() if not args.cpu else "CPU",
+                              "prompt_len": PROMPT_LEN, "new_tokens": args.new_tokens, "measure": {}}  # fmt: skip
+
+    def save() -> None:
+        (args.out / "bench_mtp_trained.json").write_text(json.dumps(report, indent=2))
+
+    generated = run_child("generate", args, model, "generate", args.timeout)
+    if "error" in generated:
+        report["generate"] = generated
+        save()
+        sys.exit(f"generate failed: {generated['error']}")
+    report["train"] = train(args, model, generated["sequences"], device)
+    save()
+    trained = Path(report["train"]["checkpoint"])
+    settings = [("plain", model, 0)]
+    for drafts in [int(d) for d in str(args.drafts).split(",") if d]:
+        settings += [(f"mtp{drafts}-untrained", model, drafts), (f"mtp{drafts}-trained", trained, drafts)]
+    for name, checkpoint, drafts in settings:
+        report["measure"][name] = run_child("measure", args, checkpoint, name, args.timeout, drafts=drafts)
+        save()
+        print(f"measure {name}: {json.dumps(report['measure'][name])}", flush=True)
+    print_table(report)
+
+
+if __name__ == "__main__":
+    main()
