@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
 
 from bench_cpu import CONFIGS  # noqa: E402  (the model geometries of the CPU and GPU benchmarks)
+from bench_gpu import finish_child  # noqa: E402  (a child's last RESULT line, or its error)
 
 PROMPT_LEN = 16
 MTP = {"mtp_num_hidden_layers": 1}
@@ -147,20 +148,7 @@ def run_child(kind: str, args: argparse.Namespace, model: Path, tag: str, timeou
     log = args.out / f"child-{tag}.log"
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
-        try:
-            proc.wait(timeout=timeout)
-            error = None if proc.returncode == 0 else f"exit {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            error = f"timed out after {timeout} s"
-    output = log.read_text(errors="replace")
-    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :]) if lines else {}
-    if error is not None:
-        errors = [line for line in output.splitlines() if "Error" in line]
-        result["error"] = (errors[-1] if errors else error)[:500] + f" ({error}; log: {log.name})"
-    return result
+    return finish_child((proc, log), timeout)
 
 
 # ---------------------------------------------------------------------------------------------
