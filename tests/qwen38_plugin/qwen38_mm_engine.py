@@ -7,7 +7,8 @@ phases run one after the other on the same engine (a later phase can hit the pre
 earlier one filled). Prints one stdout line ``{"phases": [...]}``: per request its
 ``prompt_token_ids``, greedy ``tokens`` and their ``logprobs``, and with ``"prompt_logprobs": true``
 in the request the logprob of every prompt token; per phase ``prefix_cache_hits`` (tokens vLLM
-served from its prefix cache in that phase; the counter needs ``"disable_log_stats": false``).
+served from its prefix cache in that phase; the counter needs ``"disable_log_stats": false``); with a
+``"speculative_config"`` among the kwargs, also ``spec_decode``: vLLM's draft and acceptance counters.
 The engine runs in float32 unless the extra kwargs name a ``"dtype"``.
 """
 
@@ -60,7 +61,13 @@ def main() -> None:
                 ]
             results.append(result)
         phases.append({"requests": results, "prefix_cache_hits": counter(llm, "vllm:prefix_cache_hits") - hits_before})
-    print(json.dumps({"phases": phases}))
+    result: dict[str, Any] = {"phases": phases}
+    if "speculative_config" in extra:
+        result["spec_decode"] = {
+            name: counter(llm, f"vllm:{name}")
+            for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+        }
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

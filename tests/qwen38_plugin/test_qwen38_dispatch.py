@@ -133,11 +133,12 @@ def test_portable_choice_refuses_what_the_portable_model_lacks() -> None:
     with pytest.raises(DispatchError, match=r"--enable-prefix-caching together with --speculative-config on CPU .*"
                        r"pass --no-enable-prefix-caching"):  # fmt: skip
         decide(dataclasses.replace(cpu, prefix_caching=True), None)
-    # not for the portable multimodal model (it keeps no streams for an MTP head)
+    # ... for the portable multimodal model too (test_qwen38_mm_mtp_engine.py), with MTP only
+    assert decide(dataclasses.replace(cpu, architecture=dispatch.MM_ARCHITECTURE), None).portable
     with pytest.raises(
-        DispatchError, match=r"speculative method 'mtp' with the multimodal .*drop --speculative-config"
+        DispatchError, match=r"speculative method 'dflash' with the multimodal .*use --speculative-config .*mtp"
     ):
-        decide(dataclasses.replace(cpu, architecture=dispatch.MM_ARCHITECTURE), None)
+        decide(dataclasses.replace(cpu, speculative_method="dflash", architecture=dispatch.MM_ARCHITECTURE), None)
     # ... and verifies a DFlash drafter's blocks (tests/dflash2/test_dflash_qwen4exp_engine.py) ...
     assert decide(dataclasses.replace(cpu, speculative_method="dflash"), None).portable
     # ... without prefix caching (the QSA block keys would get no hits beside it) ...

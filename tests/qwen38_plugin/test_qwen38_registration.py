@@ -33,9 +33,19 @@ def test_registry_resolves_the_architecture_to_the_dispatcher(monkeypatch: pytes
     assert registered[-1] == "portable Qwen4ExpForCausalLM (CPU platform)"
     model_cls = ModelRegistry._try_load_model_cls("Qwen4ExpForCausalLM")
     assert getattr(model_cls, "is_qwen38_dispatcher", False)
-    # the MTP drafter goes through the same rule, and the text architecture's config hook wraps stock's
+    # the MTP drafter goes through the same rule, and the architectures' config hooks wrap stock's
     assert "Qwen4ExpMTP dispatcher (the same rule)" in registered
     assert getattr(ModelRegistry._try_load_model_cls("Qwen4ExpMTP"), "is_qwen38_dispatcher", False)
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, Qwen4ExpForCausalLMConfig
+    from vllm.model_executor.models.config import (
+        MODELS_CONFIG_MAP,
+        Qwen4ExpForCausalLMConfig,
+        Qwen4ExpForConditionalGenerationConfig,
+    )
 
     assert MODELS_CONFIG_MAP["Qwen4ExpForCausalLM"].qwen38_wraps is Qwen4ExpForCausalLMConfig  # type: ignore[attr-defined]
+    # ... and the multimodal architecture's (its MTP drafter reads the same streams) over the
+    # multimodal defaults' hook, which wraps stock's
+    mm_hook = MODELS_CONFIG_MAP["Qwen4ExpForConditionalGeneration"]
+    assert mm_hook.qwen38_wraps.wrapped is Qwen4ExpForConditionalGenerationConfig  # type: ignore[attr-defined]
+    _registration.register_with_vllm()  # idempotent: nothing wrapped twice
+    assert MODELS_CONFIG_MAP["Qwen4ExpForConditionalGeneration"] is mm_hook

@@ -163,11 +163,12 @@ def decide(target: Target, force: str | None) -> Choice:
 def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
     lacks = []
     method = target.speculative_method
-    if method is not None and target.architecture == MM_ARCHITECTURE:
-        # The portable multimodal model keeps no pre-mixer streams for an MTP head (yet).
+    if method is not None and method != "mtp" and target.architecture == MM_ARCHITECTURE:
+        # The portable multimodal model hands an MTP head its text model's streams; a DFlash
+        # drafter's target features are proven for the text-only model only.
         lacks.append(
-            f"speculative method {method!r} with the multimodal {MM_ARCHITECTURE} (the portable drafter serves the "
-            "text-only Qwen4ExpForCausalLM): drop --speculative-config"
+            f"speculative method {method!r} with the multimodal {MM_ARCHITECTURE} (its drafter is the checkpoint's "
+            'MTP head): use --speculative-config \'{"method": "mtp", ...}\' or drop --speculative-config'
         )
     elif method not in PORTABLE_SPECULATIVE_METHODS:
         # The portable model drafts with the checkpoint's MTP head or verifies a DFlash drafter's

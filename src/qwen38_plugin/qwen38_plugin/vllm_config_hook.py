@@ -1,4 +1,5 @@
-"""The config hook of the ``Qwen4ExpForCausalLM`` architecture (vLLM's ``MODELS_CONFIG_MAP``):
+"""The config hooks of the ``Qwen4ExpForCausalLM`` and ``Qwen4ExpForConditionalGeneration``
+architectures (vLLM's ``MODELS_CONFIG_MAP``):
 stock's, plus what vLLM's V1 MTP proposer needs to read the target's residual streams.
 
 An MTP head for this model reads the target's streams before its final mixer, ``[T, hc * H]``
@@ -30,7 +31,7 @@ import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from qwen38_plugin.dispatch import ARCHITECTURE, choose, logger
+from qwen38_plugin.dispatch import ARCHITECTURE, MM_ARCHITECTURE, choose, logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -112,21 +113,29 @@ def keep_full_graphs_out_of_the_v1_runner(vllm_config: VllmConfig, on_cuda: bool
 
 
 def install() -> list[str]:
-    """Wrap stock's ``MODELS_CONFIG_MAP`` entry for the text architecture (idempotent)."""
+    """Wrap stock's ``MODELS_CONFIG_MAP`` entries for the text and the multimodal architecture (idempotent)."""
     from vllm.model_executor.models import config as models_config
 
     table: dict[str, Any] = models_config.MODELS_CONFIG_MAP
-    stock = table.get(ARCHITECTURE)
-    if stock is None:
-        raise RuntimeError(
-            f"this vLLM has no config hook for {ARCHITECTURE} (MODELS_CONFIG_MAP): qwen38_plugin expects stock "
-            "vLLM's Qwen4Exp support; install a supported vLLM"
-        )
-    if getattr(stock, "qwen38_wraps", None) is not None:
-        return []
+    installed = []
+    for architecture in (ARCHITECTURE, MM_ARCHITECTURE):
+        stock = table.get(architecture)
+        if stock is None:
+            raise RuntimeError(
+                f"this vLLM has no config hook for {architecture} (MODELS_CONFIG_MAP): qwen38_plugin expects stock "
+                "vLLM's Qwen4Exp support; install a supported vLLM"
+            )
+        if getattr(stock, "qwen38_wraps", None) is not None:
+            continue
+        table[architecture] = _wrapped(stock)
+        installed.append(f"{architecture} config hook (MTP draft buffer of hc * H)")
+    return installed
+
+
+def _wrapped(stock: Any) -> Any:
     stock_hook = stock.verify_and_update_config
 
-    class Qwen4ExpForCausalLMConfig(stock):  # type: ignore[misc, valid-type]
+    class WrappedConfig(stock):
         qwen38_wraps = stock
 
         @staticmethod
@@ -135,5 +144,5 @@ def install() -> list[str]:
             widen_draft_hidden_buffer(vllm_config)
             keep_full_graphs_out_of_the_v1_runner(vllm_config)
 
-    table[ARCHITECTURE] = Qwen4ExpForCausalLMConfig
-    return [f"{ARCHITECTURE} config hook (MTP draft buffer of hc * H)"]
+    WrappedConfig.__name__ = WrappedConfig.__qualname__ = stock.__name__
+    return WrappedConfig

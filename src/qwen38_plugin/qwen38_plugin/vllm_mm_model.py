@@ -148,6 +148,11 @@ class PortableQwen4ExpForConditionalGeneration(OwnedMemoryQwen4ExpForConditional
         if multimodal_config is None:
             raise ConfigError(f"{MM_ARCHITECTURE} needs vLLM's multimodal config (vLLM builds one for it)")
         self.config = config  # type: ignore[assignment]  # Qwen4ExpConfig
+        # vLLM's V1 speculative proposer copies the target's `config.image_token_index` into the
+        # drafter's config for multimodal targets it does not list by class name (ours among them);
+        # Qwen4ExpConfig calls it image_token_id.
+        if not hasattr(config, "image_token_index"):
+            config.image_token_index = config.image_token_id
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.multimodal_config = multimodal_config
@@ -225,7 +230,12 @@ class PortableQwen4ExpForConditionalGeneration(OwnedMemoryQwen4ExpForConditional
         return self.get_mamba_state_copy_funcs_from_config(self.vllm_config, mamba_types)
 
     def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
-        return None  # no MTP head (the dispatcher refuses speculation for the portable multimodal model)
+        """The text model's streams before its final mixer, for an MTP head (None without one)."""
+        from qwen38_plugin.vllm_model import PortableQwen4ExpForCausalLM
+
+        language_model = self.language_model
+        assert isinstance(language_model, PortableQwen4ExpForCausalLM)
+        return language_model.get_mtp_target_hidden_states()
 
     # -- forward --------------------------------------------------------------------------------
     def forward(

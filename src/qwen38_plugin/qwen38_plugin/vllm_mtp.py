@@ -84,6 +84,10 @@ class DraftQSAKVCache(QSAKVCache):
         self.index_dim = int(config.indexer_head_dim or 0)
         self.raw_keys = torch.empty(0)
         self.group_key_cache = torch.empty(0)
+        # Under M-RoPE (the multimodal model) each raw key's (T, H, W) rope positions too: a group's
+        # compressed key is rotated at its first token's.
+        self.mrope = bool(vllm_config.model_config.uses_mrope)
+        self.raw_rope_positions: torch.Tensor | None = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         super().bind_kv_cache(kv_cache)
@@ -101,6 +105,10 @@ class DraftQSAKVCache(QSAKVCache):
             blocks, 1, block_size // self.ratio, self.index_dim, dtype=self.dtype, device=device
         )
         side = self.raw_keys.nbytes + self.group_key_cache.nbytes
+        if self.mrope:
+            # one block more: where padding tokens (no K/V slot) write, never read
+            self.raw_rope_positions = torch.zeros(blocks + 1, 1, block_size, 3, dtype=torch.int64, device=device)
+            side += self.raw_rope_positions.nbytes
         logger.info(
             "qwen38_plugin: MTP draft layer %s keeps its indexer keys in %.2f MiB outside vLLM's KV-cache "
             "accounting (%d blocks of %d tokens: raw keys and compressed block keys; its K/V: %.2f MiB in the cache)",
@@ -133,6 +141,33 @@ class DraftQSAAttention(PortableQSAAttention):
     def make_cache(self, vllm_config: VllmConfig, prefix: str) -> QSAKVCache:
         return draft_cache_class(vllm_config)(vllm_config, prefix, self.num_kv_heads)
 
+    def _draft_group_start_rope_positions(
+        self,
+        rope_positions: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        req: torch.Tensor,
+        table: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:
+        """``[3, T]``: the M-RoPE positions of the first token of the group ending at each token
+        (p - ratio + 1), after this step's are stored at their K/V slots (`DraftQSAKVCache`'s
+        ``raw_rope_positions``). Rows of tokens that close no group are never stored. Device ops only."""
+        cache = self.cache
+        assert isinstance(cache, DraftQSAKVCache)
+        stored = cache.raw_rope_positions
+        if stored is None:
+            raise RuntimeError("the MTP draft layer got M-RoPE positions but its model config has no M-RoPE")
+        n = positions.shape[0]
+        flat = stored.view(-1, 3)
+        # this step's rope positions at its K/V slots (a padding token, slot < 0, into the spare block)
+        spare = (stored.shape[0] - 1) * block_size
+        flat.index_copy_(0, torch.where(slots >= 0, slots, spare), rope_positions.t()[:n].to(torch.int64))
+        first = (positions - (self.ratio - 1)).clamp(min=0)
+        first_slot = table[req, (first // block_size).clamp(0, table.shape[1] - 1)].long() * block_size
+        start = flat[first_slot + first % block_size].t()
+        return start.clamp(0, self.rotary.cos.shape[0] - 1)
+
     def attend(
         self,
         q: torch.Tensor,
@@ -154,9 +189,8 @@ class DraftQSAAttention(PortableQSAAttention):
             return
         q, gate, k, v, index_q, raw_keys, positions, out = step
         n = meta.num_tokens
-        if positions.dim() != 1:
-            raise RuntimeError("the portable MTP drafter runs 1-D positions only (vLLM's draft for a text target)")
-        positions = meta.positions[:n]
+        rope_positions = positions  # [T], or M-RoPE's [3, T] (the multimodal model)
+        positions = meta.positions[:n]  # each token's index in its sequence
         qsa_paged.write_kv(cache.kv_cache, meta.slots, k, v)
         selected = None
         if self.indexer is not None:
@@ -171,11 +205,17 @@ class DraftQSAAttention(PortableQSAAttention):
             req = meta.token_req.long().clamp(min=0)
             table = meta.block_table
             token_block = table[req, (positions // block_size).clamp(0, table.shape[1] - 1)]
+            start_cos_sin = None
+            if rope_positions.dim() == 2:
+                starts = self._draft_group_start_rope_positions(rope_positions, positions, meta.slots, req, table,
+                                                                block_size)  # fmt: skip
+                start_cos_sin = self.rotary.cos_sin(starts)
             own_row = torch.where(real, torch.arange(n, device=q.device, dtype=torch.int32), -1)
             group_keys = qsa_paged.group_keys(
                 raw_keys, cache.raw_keys, token_block, own_row, positions, (positions + 1).to(torch.int32),
                 ratio=self.ratio, k_norm_weight=self.indexer.k_layernorm.weight, eps=self.config.rms_norm_eps,
                 rope_theta=self.config.rope_parameters["rope_theta"], rotary_dim=self.index_rotary_dim,
+                start_cos_sin=start_cos_sin,
             )  # fmt: skip
             key_slots = qsa_paged.key_slots(meta.token_req, positions, table, block_size=block_size, ratio=self.ratio)
             # A draft past max_model_len has no K/V slot (vLLM clamps its position): store nothing.

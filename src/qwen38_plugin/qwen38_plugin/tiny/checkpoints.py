@@ -202,7 +202,9 @@ def _randomize_zero_initialised(model: torch.nn.Module, generator: torch.Generat
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
 
 
-def _add_mtp_weights(path: Path, fields: dict[str, Any], dtype: torch.dtype, seed: int) -> None:
+def _add_mtp_weights(
+    path: Path, fields: dict[str, Any], dtype: torch.dtype, seed: int, text_prefix: str = "model."
+) -> None:
     """Random ``mtp.*`` tensors (the multi-token-prediction head stock vLLM's `Qwen4ExpMTP` loads)
     for ``mtp_num_hidden_layers`` QSA decoder layers, named as the checkpoint's first
     ``indexed_attention`` layer; norms around 0 (used as 1 + w), linear weights of 1 / sqrt(fan-in)."""
@@ -213,7 +215,7 @@ def _add_mtp_weights(path: Path, fields: dict[str, Any], dtype: torch.dtype, see
         "indexed_attention" in layer_types, "mtp_num_hidden_layers", "the MTP layer is a QSA layer: layer_types "
         "needs an indexed_attention layer to take its tensor names from",
     )  # fmt: skip
-    source = f"model.layers.{layer_types.index('indexed_attention')}."
+    source = f"{text_prefix}layers.{layer_types.index('indexed_attention')}."
     tensors = load_file(str(path))
     hidden, width = fields["hidden_size"], fields["hidden_size"] * fields["hc_count"]
     shapes: dict[str, tuple[int, ...]] = {
@@ -234,6 +236,26 @@ def _add_mtp_weights(path: Path, fields: dict[str, Any], dtype: torch.dtype, see
         scale = 0.1 if "norm" in name or len(shape) == 1 else shape[-1] ** -0.5
         tensors[name] = (torch.randn(shape, generator=generator) * scale).to(dtype)
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def add_mtp_head(path: str | Path, num_layers: int = 1, seed: int = 0) -> Path:
+    """Give the checkpoint directory ``path`` (a tiny text or multimodal Qwen4Exp, one safetensors
+    file) a random MTP head of ``num_layers`` layers in place: ``mtp_num_hidden_layers`` in its
+    (text) config and the ``mtp.*`` tensors in the weights' dtype."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["mtp_num_hidden_layers"] = num_layers
+    (weights,) = path.glob("*.safetensors")
+    with safe_open(str(weights), "pt") as f:
+        dtype = f.get_slice("lm_head.weight").get_dtype()
+    torch_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype]
+    prefix = "model.language_model." if "text_config" in config else "model."
+    _add_mtp_weights(weights, text, torch_dtype, seed, text_prefix=prefix)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
 
 
 def build_tiny_checkpoint(
