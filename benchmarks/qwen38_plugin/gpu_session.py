@@ -39,7 +39,8 @@
    all together, served without speculation, with MTP (``num_speculative_tokens`` 3), MTP with
    dflash2's concurrency ladder, and DFlash (a tiny drafter through a ``dflash2-view``, 4 drafts);
    each against transformers by the rule of ``exact`` and against the run without speculation
-   (equal tokens), with vLLM's spec-decode counters. Writes ``spec.json``.
+   (equal tokens), with vLLM's spec-decode counters. Writes ``spec.json``. ``--spec-runs`` also
+   names the variants that isolate DFlash's failure on the H200 (`SPEC_RUNS`).
 
 Each engine runs in a child process with a time limit, so one failure does not stop the others;
 results are written to OUT as they come (``exact.json``, ``summary.json``, one log per child), so
@@ -328,8 +329,12 @@ def mm(out: Path, work: Path, device: str) -> dict[str, Any]:
 SPEC_LADDER = {"2": 2, "5": 1}  # 1 running request: 3 drafts; 2-4: 2; 5 or more: 1
 
 
-SPEC_RUNS = ("plain", "mtp3", "mtp3-ladder", "dflash4", "dflash4-eager", "dflash4-v1")
-SPEC_DEFAULT_RUNS = SPEC_RUNS[:4]  # -eager: without CUDA graphs; -v1: vLLM's V1 model runner
+SPEC_RUNS = ("plain", "mtp3", "mtp3-ladder", "dflash4", "dflash4-eager", "dflash4-v1", "dflash3", "mtp4",
+             "dflash4-reference", "dflash4-lbhnc")  # fmt: skip
+# -eager: without CUDA graphs; -v1: vLLM's V1 model runner; dflash3 / mtp4: is it the draft count?
+# -reference: the plugin's torch references instead of its Triton kernels; -lbhnc: the CPU's KV layout
+SPEC_DEFAULT_RUNS = SPEC_RUNS[:4]
+REFERENCE_OPS = {f"QWEN38_{op}_REFERENCE": "1" for op in ("HC", "NORM_ROPE", "PLE", "QSA_PAGED")}
 
 
 def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]:
@@ -355,9 +360,12 @@ def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]
     report: dict[str, Any] = {"device": device, "dtype": dtype, "prompts": [len(p) for p in prompts(0)], "steps": STEPS}
     engine = {"max_num_batched_tokens": 64, "max_num_seqs": 16, "max_model_len": 512}
     verify = ROOT / "tests/qwen38_plugin/qwen38_engine_verify.py"
-    dflash_args = [str(ROOT / "tests/dflash2/spec_engine_run.py"), str(model),
-                   json.dumps({"method": "dflash", "model": str(view), "num_speculative_tokens": 4}),
-                   json.dumps(prompts(0)), json.dumps([STEPS] * len(prompts(0)))]  # fmt: skip
+
+    def dflash_args(drafts: int) -> list[str]:
+        return [str(ROOT / "tests/dflash2/spec_engine_run.py"), str(model),
+                json.dumps({"method": "dflash", "model": str(view), "num_speculative_tokens": drafts}),
+                json.dumps(prompts(0)), json.dumps([STEPS] * len(prompts(0)))]  # fmt: skip
+
     # the dispatcher refuses DFlash on a GPU (not yet lossless there): lifted in the run's own process to study it
     dflash_engine = {**engine, "dtype": dtype, "enable_prefix_caching": False, "lift_gpu_dflash_refusal": True}
     runs: dict[str, tuple[list[str], dict[str, str]]] = {
@@ -365,9 +373,13 @@ def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]
         "mtp3": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "3", json.dumps(engine)], {}),
         "mtp3-ladder": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "3",
                          json.dumps({**engine, "speculative_extra": {"dflash_concurrency_drafts": SPEC_LADDER}})], {}),
-        "dflash4": ([*dflash_args, json.dumps(dflash_engine)], {}),
-        "dflash4-eager": ([*dflash_args, json.dumps({**dflash_engine, "enforce_eager": True})], {}),
-        "dflash4-v1": ([*dflash_args, json.dumps(dflash_engine)], RUNNER_ENV["v1"]),
+        "dflash4": ([*dflash_args(4), json.dumps(dflash_engine)], {}),
+        "dflash4-eager": ([*dflash_args(4), json.dumps({**dflash_engine, "enforce_eager": True})], {}),
+        "dflash4-v1": ([*dflash_args(4), json.dumps(dflash_engine)], RUNNER_ENV["v1"]),
+        "dflash3": ([*dflash_args(3), json.dumps(dflash_engine)], {}),
+        "mtp4": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "4", json.dumps(engine)], {}),
+        "dflash4-reference": ([*dflash_args(4), json.dumps(dflash_engine)], REFERENCE_OPS),
+        "dflash4-lbhnc": ([*dflash_args(4), json.dumps(dflash_engine)], {"VLLM_KV_CACHE_LAYOUT": "LBHNC"}),
     }  # fmt: skip
     plain: list[list[int]] | None = None
     for name in names:
