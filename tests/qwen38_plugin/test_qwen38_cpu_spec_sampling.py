@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import vllm._C  # noqa: F401  (loads the CPU kernels stock routes to)
+from vllm.platforms import current_platform
 from vllm.utils import cpu_triton_utils
 
 from qwen38_plugin import cpu_spec_sampling
+
+# The CPU kernels stock routes to, loaded as vLLM loads them: `vllm._C`, `_C_AVX512` or `_C_AVX2` by
+# the CPU's instruction set (each registers the same op namespace, so importing a second one aborts).
+current_platform.import_kernels()
 
 STOCK = getattr(cpu_triton_utils._expand_kernel_impl, "__wrapped_stock__", cpu_triton_utils._expand_kernel_impl)
 CU = torch.tensor([3, 3, 4, 7])  # 3 drafts, 0, 1, 3
