@@ -27,6 +27,7 @@ QWEN38_ON_CPU = (
     "Qwen4ExpForConditionalGeneration dispatcher (the same rule), "
     "Qwen4ExpMTP dispatcher (the same rule), "
     "Qwen4ExpForCausalLM config hook (MTP draft buffer of hc * H), "
+    "Qwen4ExpForConditionalGeneration config hook (MTP draft buffer of hc * H), "
     "portable Qwen4ExpForCausalLM (CPU platform)"
 )
 
