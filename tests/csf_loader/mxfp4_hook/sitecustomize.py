@@ -9,7 +9,12 @@ with the same environment). With CSF_TEST_DUMP_DIR set it:
 * on a CPU without AMX (CSF_TEST_FAKE_AMX=1), reports AMX tiles as supported, because
   stock's only CPU MXFP4 MoE kernel (``CPUExpertsMxfp4``) needs them and stock's MXFP4 MoE
   method otherwise refuses to be built ("No MXFP4 MoE backend supports the deployment
-  configuration"), before any weight is loaded. The kernel itself cannot run there.
+  configuration"), before any weight is loaded. The kernel itself cannot run there. The AMX path
+  of stock's dense CPU linear layers (``check_cpu_sgl_kernel``, which reads the same flag) is then
+  kept off: its weight packing op exists only in the AVX-512-BF16 build of vLLM's CPU kernels.
+  Where that build is not the one loaded (a CPU without AVX-512-BF16), the MXFP4 MoE method's
+  packing for the AMX kernel, which runs after the dump and only serves a forward this engine
+  never runs, leaves the tensors as loaded.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import Any
 if os.environ.get("CSF_TEST_DUMP_DIR"):
     import torch
 
-    if os.environ.get("CSF_TEST_FAKE_AMX") == "1" and not torch.cpu._is_amx_tile_supported():
+    FAKE_AMX = os.environ.get("CSF_TEST_FAKE_AMX") == "1" and not torch.cpu._is_amx_tile_supported()
+    if FAKE_AMX:
         torch.cpu._is_amx_tile_supported = lambda: True
 
     import csf_loader
@@ -29,6 +35,20 @@ if os.environ.get("CSF_TEST_DUMP_DIR"):
 
     def register() -> list[str]:
         registered = _register()
+        if FAKE_AMX:
+            from vllm.model_executor.layers import utils as layer_utils
+
+            layer_utils.check_cpu_sgl_kernel = lambda n, k, dtype: False  # the real CPU has no AMX
+            from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+            prepare = cpu_moe.prepare_mxfp4_moe_layer_for_cpu
+
+            def prepare_or_keep(*tensors: torch.Tensor) -> Any:
+                if hasattr(torch.ops._C, "convert_weight_packed"):
+                    return prepare(*tensors)
+                return tensors
+
+            cpu_moe.prepare_mxfp4_moe_layer_for_cpu = prepare_or_keep
         from csf_loader import vllm_loader
 
         original = vllm_loader.CsfModelLoader.load_weights
