@@ -27,11 +27,16 @@ of 8 steps take about two minutes on one CPU core.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from qwen38_plugin.ops import qsa, qsa_paged, qsa_step_metadata
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's tests package
+from tests.qwen38_plugin.qsa_paged_harness import selection_mask
 
 Kind = qsa_step_metadata.CacheKind
 EPS = 1e-6
@@ -183,17 +188,6 @@ def oracle_row(
         row["iq"], keys, start + positions.shape[0], positions, budget=geo.topk * geo.ratio, ratio=geo.ratio
     )
     return out, mask, keys
-
-
-def selection_mask(selected: torch.Tensor, positions: torch.Tensor, ratio: int, num_keys: int) -> torch.Tensor:
-    mask = torch.zeros(selected.shape[0], num_keys, dtype=torch.bool)
-    for i, (groups, p) in enumerate(zip(selected.tolist(), positions.tolist(), strict=True)):
-        complete = (p + 1) // ratio
-        mask[i, complete * ratio : p + 1] = True
-        for group in groups:
-            if group >= 0:
-                mask[i, group * ratio : (group + 1) * ratio] = True
-    return mask
 
 
 def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
