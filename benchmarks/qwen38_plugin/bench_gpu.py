@@ -237,8 +237,18 @@ def _rates(batch: int, new_tokens: int, prefill_s: float, total_s: float, prompt
     }
 
 
+def timed_greedy(llm: Any, inputs: list[Any], max_tokens: int) -> float:
+    """Seconds for vLLM to decode ``inputs`` greedily, ``max_tokens`` each (EOS ignored)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(inputs, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
 def child_vllm(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.inputs import TokensPrompt
 
     kwargs: dict[str, Any] = {"enforce_eager": args.mode.startswith("eager")}  # else vLLM's default
@@ -257,10 +267,7 @@ def child_vllm(args: argparse.Namespace) -> dict[str, Any]:
         ps = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, args.prompt_len, seed=batch)]
 
         def run(max_tokens: int, inputs: list[TokensPrompt] = ps) -> float:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            start = time.perf_counter()
-            llm.generate(inputs, params, use_tqdm=False)
-            return time.perf_counter() - start
+            return timed_greedy(llm, inputs, max_tokens)
 
         run(4)  # warm-up at this batch size
         # The fastest of the repeats: a one-off stall (a JIT compile for a new shape, a host

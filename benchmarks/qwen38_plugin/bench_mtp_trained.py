@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
 
 from bench_cpu import CONFIGS  # noqa: E402  (the model geometries of the CPU and GPU benchmarks)
-from bench_gpu import finish_child  # noqa: E402  (a child's last RESULT line, or its error)
+from bench_gpu import finish_child, timed_greedy  # noqa: E402  (children's results; a timed greedy run)
 
 PROMPT_LEN = 16
 MTP = {"mtp_num_hidden_layers": 1}
@@ -105,7 +105,7 @@ def spec_counters(llm: Any) -> dict[str, float]:
 
 
 def child_measure(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.inputs import TokensPrompt
 
     llm = LLM(**engine_kwargs(args, args.drafts), disable_log_stats=False)
@@ -114,10 +114,7 @@ def child_measure(args: argparse.Namespace) -> dict[str, Any]:
         inputs = [TokensPrompt(prompt_token_ids=p) for p in random_prompts(batch, seed=1000 + batch)]
 
         def run(max_tokens: int, inputs: list[TokensPrompt] = inputs) -> float:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            start = time.perf_counter()
-            llm.generate(inputs, params, use_tqdm=False)
-            return time.perf_counter() - start
+            return timed_greedy(llm, inputs, max_tokens)
 
         run(4)  # warm-up at this batch size
         prefill = min(run(1) for _ in range(args.repeats))
