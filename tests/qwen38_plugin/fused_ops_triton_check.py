@@ -33,6 +33,13 @@ DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if NATIVE else [])]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
+def block_table_column(values: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``values`` as vLLM hands a request's state slot to the PLE ops: column 0 of a ``[R, 2]``
+    block table (a strided view; speculative decoding gives each request several slots), ``other``
+    in the column beside it, so a kernel that ignores the stride reads the wrong requests' entries."""
+    return torch.stack([values, other], dim=1).to(DEVICE)[:, 0]  # sliced on the device: .to() would compact it
+
+
 def randn(*shape: int, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (torch.randn(*shape, generator=GEN) * scale).to(dtype).to(DEVICE)
 
@@ -196,8 +203,12 @@ def check_ple_conv_term() -> str:
             token_req = torch.full((num_tokens,), -1, dtype=torch.int32)
             for r, (n, _, _) in enumerate(entries):
                 token_req[int(qsl[r]) : int(qsl[r]) + n] = r
-            state_indices = torch.tensor([e[1] for e in entries], dtype=torch.int32)
-            has_initial = torch.tensor([e[2] for e in entries])
+            slot_list = [e[1] for e in entries]
+            # the spare column: other requests' slots (reversed), so a stride-blind read writes the wrong slots
+            state_indices = block_table_column(torch.tensor(slot_list, dtype=torch.int32),
+                                               torch.tensor(slot_list[::-1], dtype=torch.int32))  # fmt: skip
+            flags = torch.tensor([e[2] for e in entries])
+            has_initial = block_table_column(flags, ~flags)
             streams, key = randn(num_tokens, width, dtype=dtype), randn(num_tokens, width, dtype=dtype)
             value = randn(num_tokens, hidden, dtype=dtype)
             norms = [randn(width, scale=0.1, dtype=dtype) for _ in range(3)]
@@ -250,8 +261,11 @@ def check_ple_ngram_rows() -> str:
                 token_req[int(qsl[r]) : int(qsl[r]) + n] = r
             ids = torch.randint(0, 12, (num_tokens,), generator=gen)  # small ids: EOS (7) comes up often
             buffer = torch.randint(0, 12, (slots, ngram + 2), generator=gen)
-            state_indices = torch.tensor([e[1] for e in entries], dtype=torch.int32)
-            has_initial = torch.tensor([e[2] for e in entries]) if has_initial_given else None
+            slot_list = [e[1] for e in entries]
+            state_indices = block_table_column(torch.tensor(slot_list, dtype=torch.int32),
+                                               torch.tensor(slot_list[::-1], dtype=torch.int32))  # fmt: skip
+            flags = torch.tensor([e[2] for e in entries])
+            has_initial = block_table_column(flags, ~flags) if has_initial_given else None
             results = []
             for backend in ("torch", "triton"):
                 context_buffer = buffer.clone().to(DEVICE)

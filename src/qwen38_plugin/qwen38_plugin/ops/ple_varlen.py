@@ -502,16 +502,20 @@ def conv_term_triton(
     continues = has_initial_state if has_initial_state is not None else state_indices  # unread when None
     block_c = 128
     strides = (conv_state_cache.stride(0), conv_state_cache.stride(1), conv_state_cache.stride(2))
+    # vLLM's state indices are a column of its block table (``block_table[:, 0]``: strided when a
+    # request holds several slots, as with speculative decoding): indexed with their stride
+    per_request = (state_indices.stride(0), continues.stride(0))
     if num_tokens:
         _conv_term_kernel[(num_tokens, triton.cdiv(width, block_c))](
             gated, conv_inputs, conv_weight, conv_state_cache, term, token_req, query_start_loc, state_indices,
-            continues, width, span, ngram_size, *strides, conv_weight.stride(0), conv_weight.stride(1),
+            continues, width, span, ngram_size, *strides, conv_weight.stride(0), conv_weight.stride(1), *per_request,
             KERNEL=kernel, HAS_INITIAL=has_initial_state is not None, BLOCK_C=block_c,
         )  # fmt: skip
     if num_requests:
         _conv_state_kernel[(num_requests, triton.cdiv(width, block_c))](
             conv_inputs, conv_state_cache, query_start_loc, state_indices, continues, width, span, *strides,
-            HAS_INITIAL=has_initial_state is not None, BLOCK_C=block_c, BLOCK_S=triton.next_power_of_2(span),
+            *per_request, HAS_INITIAL=has_initial_state is not None, BLOCK_C=block_c,
+            BLOCK_S=triton.next_power_of_2(span),
         )  # fmt: skip
     return term
 
@@ -537,6 +541,8 @@ if HAVE_TRITON:
         stride_state_pos,
         stride_weight_channel,
         stride_weight_tap,
+        stride_slot_index,
+        stride_continues,
         KERNEL: tl.constexpr,
         HAS_INITIAL: tl.constexpr,
         BLOCK_C: tl.constexpr,
@@ -549,12 +555,12 @@ if HAVE_TRITON:
         ok = cs < width
         req = tl.load(token_req_ptr + token)
         r = tl.maximum(req, 0)
-        slot = tl.load(state_indices_ptr + r)
+        slot = tl.load(state_indices_ptr + r * stride_slot_index)
         is_token = (req >= 0) & (slot >= 0)
         offset = token - tl.load(qsl_ptr + r)
         reads_state = is_token
         if HAS_INITIAL:
-            reads_state = reads_state & (tl.load(continues_ptr + r) != 0)
+            reads_state = reads_state & (tl.load(continues_ptr + r * stride_continues) != 0)
         slot_row = state_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_state_slot
         acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
         for tap in tl.static_range(KERNEL):
@@ -589,6 +595,8 @@ if HAVE_TRITON:
         stride_state_slot,
         stride_state_channel,
         stride_state_pos,
+        stride_slot_index,
+        stride_continues,
         HAS_INITIAL: tl.constexpr,
         BLOCK_C: tl.constexpr,
         BLOCK_S: tl.constexpr,
@@ -597,7 +605,7 @@ if HAVE_TRITON:
         # [c, c + span) of [old state | the c new conv inputs]. The old entries are all read
         # before any is written (the barrier), since the slot is updated in place.
         r = tl.program_id(0)
-        slot = tl.load(state_indices_ptr + r)
+        slot = tl.load(state_indices_ptr + r * stride_slot_index)
         first = tl.load(qsl_ptr + r)
         count = tl.load(qsl_ptr + r + 1) - first
         if (slot >= 0) & (count > 0):
@@ -606,7 +614,9 @@ if HAVE_TRITON:
             ok = (cs < width)[:, None] & (js < span)[None, :]
             history = count + js[None, :]
             keeps_old = history < span
-            keeps_old_read = keeps_old & (tl.load(continues_ptr + r) != 0) if HAS_INITIAL else keeps_old
+            keeps_old_read = keeps_old
+            if HAS_INITIAL:
+                keeps_old_read = keeps_old & (tl.load(continues_ptr + r * stride_continues) != 0)
             row = state_ptr + slot.to(tl.int64) * stride_state_slot + cs[:, None] * stride_state_channel
             old = tl.load(row + history * stride_state_pos, mask=ok & keeps_old_read, other=0.0)
             new = tl.load(
@@ -645,7 +655,9 @@ def ngram_rows_triton(
     heads = head_vocab_sizes.shape[0]
     rows = torch.empty(num_tokens, heads, dtype=torch.long, device=token_ids.device)
     continues = has_initial_state if has_initial_state is not None else state_indices  # unread when None
-    common = (context_cache, state_indices, continues, context_cache.stride(0), context_cache.stride(1))
+    # state_indices: a strided column of vLLM's block table where a request holds several slots (`conv_term_triton`)
+    common = (context_cache, state_indices, continues, context_cache.stride(0), context_cache.stride(1),
+              state_indices.stride(0), continues.stride(0))  # fmt: skip
     if num_tokens:
         _ngram_rows_kernel[(num_tokens,)](
             token_ids, token_req, query_start_loc, *common, multipliers, head_vocab_sizes, head_offsets, rows,
@@ -672,6 +684,8 @@ if HAVE_TRITON:
         continues_ptr,
         stride_context_slot,
         stride_context_pos,
+        stride_slot_index,
+        stride_continues,
         multipliers_ptr,
         sizes_ptr,
         offsets_ptr,
@@ -688,10 +702,10 @@ if HAVE_TRITON:
         token = tl.program_id(0)
         req = tl.load(token_req_ptr + token)
         r = tl.maximum(req, 0)
-        slot = tl.load(state_indices_ptr + r)
+        slot = tl.load(state_indices_ptr + r * stride_slot_index)
         is_token = (req >= 0) & (slot >= 0)
         offset = token - tl.load(qsl_ptr + r)
-        reads_context = tl.load(continues_ptr + r) != 0 if HAS_INITIAL else True
+        reads_context = tl.load(continues_ptr + r * stride_continues) != 0 if HAS_INITIAL else True
         context_row = context_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_context_slot
         hs = tl.arange(0, BLOCK_HEADS)
         hs_ok = hs < HEADS_PER_NGRAM
@@ -722,6 +736,8 @@ if HAVE_TRITON:
         continues_ptr,
         stride_context_slot,
         stride_context_pos,
+        stride_slot_index,
+        stride_continues,
         eos,
         CONTEXT: tl.constexpr,
         HAS_INITIAL: tl.constexpr,
@@ -730,7 +746,7 @@ if HAVE_TRITON:
         # One program per request: after its c tokens the context is entries [c, c + n - 1) of
         # [old context | the c new ids]; the old entries are read before any is written.
         r = tl.program_id(0)
-        slot = tl.load(state_indices_ptr + r)
+        slot = tl.load(state_indices_ptr + r * stride_slot_index)
         first = tl.load(qsl_ptr + r)
         count = tl.load(qsl_ptr + r + 1) - first
         if (slot >= 0) & (count > 0):
@@ -741,7 +757,7 @@ if HAVE_TRITON:
             row = context_ptr + slot.to(tl.int64) * stride_context_slot
             old = tl.load(row + history * stride_context_pos, mask=ok & keeps_old, other=0)
             if HAS_INITIAL:
-                old = tl.where(tl.load(continues_ptr + r) != 0, old, eos)
+                old = tl.where(tl.load(continues_ptr + r * stride_continues) != 0, old, eos)
             new = tl.load(ids_ptr + first + history - CONTEXT, mask=ok & (history >= CONTEXT), other=0).to(tl.int64)
             value = tl.where(keeps_old, old, new)
             tl.debug_barrier()
