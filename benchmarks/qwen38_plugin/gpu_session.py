@@ -330,9 +330,14 @@ SPEC_LADDER = {"2": 2, "5": 1}  # 1 running request: 3 drafts; 2-4: 2; 5 or more
 
 
 SPEC_RUNS = ("plain", "mtp3", "mtp3-ladder", "dflash4", "dflash4-eager", "dflash4-v1", "dflash3", "mtp4",
-             "dflash4-reference", "dflash4-lbhnc")  # fmt: skip
-# -eager: without CUDA graphs; -v1: vLLM's V1 model runner; dflash3 / mtp4: is it the draft count?
-# -reference: the plugin's torch references instead of its Triton kernels; -lbhnc: the CPU's KV layout
+             "dflash4-reference", "dflash4-lbhnc", "dflash4-triton-attn", "dflash1", "dflash1-blnhc",
+             "dflash1-reference", "dflash1-ref-hc", "dflash1-ref-norm-rope", "dflash1-ref-ple",
+             "dflash1-ref-qsa-paged")  # fmt: skip
+# -eager: without CUDA graphs; -v1: vLLM's V1 model runner; dflash3 / dflash1 / mtp4: is it the draft count?
+# -reference: the plugin's torch references instead of its Triton kernels, eager (the references' boolean
+# indexing cannot be captured); -lbhnc: the CPU's KV layout; -triton-attn: the drafter's attention layers on
+# TRITON_ATTN instead of FLASH_ATTN; -blnhc: MTP's (block-outer) KV layout; -ref-OP: that op's torch reference
+# alone (eager); any run's name with -eager appended runs it without CUDA graphs
 SPEC_DEFAULT_RUNS = SPEC_RUNS[:4]
 REFERENCE_OPS = {f"QWEN38_{op}_REFERENCE": "1" for op in ("HC", "NORM_ROPE", "PLE", "QSA_PAGED")}
 
@@ -378,12 +383,25 @@ def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]
         "dflash4-v1": ([*dflash_args(4), json.dumps(dflash_engine)], RUNNER_ENV["v1"]),
         "dflash3": ([*dflash_args(3), json.dumps(dflash_engine)], {}),
         "mtp4": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "4", json.dumps(engine)], {}),
-        "dflash4-reference": ([*dflash_args(4), json.dumps(dflash_engine)], REFERENCE_OPS),
+        "dflash4-reference": ([*dflash_args(4), json.dumps({**dflash_engine, "enforce_eager": True})], REFERENCE_OPS),
         "dflash4-lbhnc": ([*dflash_args(4), json.dumps(dflash_engine)], {"VLLM_KV_CACHE_LAYOUT": "LBHNC"}),
+        "dflash4-triton-attn": ([*dflash_args(4), json.dumps({**dflash_engine, "attention_backend": "TRITON_ATTN"})],
+                                {}),
+        "dflash1": ([*dflash_args(1), json.dumps(dflash_engine)], {}),
+        "dflash1-blnhc": ([*dflash_args(1), json.dumps(dflash_engine)], {"VLLM_KV_CACHE_LAYOUT": "BLNHC"}),
+        "dflash1-reference": ([*dflash_args(1), json.dumps({**dflash_engine, "enforce_eager": True})], REFERENCE_OPS),
+        **{f"dflash1-ref-{op.lower().replace('_', '-')}": (
+            [*dflash_args(1), json.dumps({**dflash_engine, "enforce_eager": True})], {f"QWEN38_{op}_REFERENCE": "1"})
+           for op in ("HC", "NORM_ROPE", "PLE", "QSA_PAGED")},
     }  # fmt: skip
     plain: list[list[int]] | None = None
     for name in names:
-        args, run_env = runs[name]
+        if name not in runs and name.endswith("-eager") and name.removesuffix("-eager") in runs:
+            # NAME-eager: run NAME without CUDA graphs (the engine arguments come last in every run)
+            base_args, run_env = runs[name.removesuffix("-eager")]
+            args = [*base_args[:-1], json.dumps({**json.loads(base_args[-1]), "enforce_eager": True})]
+        else:
+            args, run_env = runs[name]
         result = run(f"spec-{name}", [sys.executable, *args], out, 300, {**env, **run_env})
         lines = [line for line in (out / f"spec-{name}.log").read_text().splitlines() if line.startswith('{"tokens"')]
         if not lines:
@@ -472,8 +490,9 @@ def main() -> None:
         summary["mm"] = mm(out, args.work, args.device)
     if "spec" in only:
         runs = [r for r in args.spec_runs.split(",") if r]
-        if set(runs) - set(SPEC_RUNS):
-            parser.error(f"--spec-runs: unknown {sorted(set(runs) - set(SPEC_RUNS))}; choose from {SPEC_RUNS}")
+        unknown_runs = {r for r in runs if r not in SPEC_RUNS and r.removesuffix("-eager") not in SPEC_RUNS}
+        if unknown_runs:
+            parser.error(f"--spec-runs: unknown {sorted(unknown_runs)}; choose from {SPEC_RUNS} (each also NAME-eager)")
         summary["spec"] = spec(out, args.work, args.device, runs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
 
