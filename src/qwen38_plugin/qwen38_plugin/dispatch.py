@@ -189,7 +189,9 @@ def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
     if method == "dflash" and target.platform != "cpu":
         # On the H200 (2026-12-01, benchmarks/qwen38_plugin/results/h200_spec.txt) greedy output with a
         # DFlash drafter differed from the target alone (6 of 8 prompts identical, in both of vLLM's
-        # model runners, with and without CUDA graphs) while MTP was identical: refused until found.
+        # model runners, with and without CUDA graphs). The cause, PLE's Triton kernels reading vLLM's
+        # strided state-slot column as contiguous, is fixed (ops/ple_varlen.py); refused until the
+        # H200 re-run with the fix shows it lossless.
         lacks.append(
             f"speculative method 'dflash' on {target.platform} (on the H200 its greedy output differed from the "
             "target alone; it is lossless on CPU only so far): use --speculative-config "
