@@ -373,25 +373,26 @@ def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]
 
     # the dispatcher refuses DFlash on a GPU (not yet lossless there): lifted in the run's own process to study it
     dflash_engine = {**engine, "dtype": dtype, "enable_prefix_caching": False, "lift_gpu_dflash_refusal": True}
+    dflash_eager = json.dumps({**dflash_engine, "enforce_eager": True})  # the references' indexing is not capturable
     runs: dict[str, tuple[list[str], dict[str, str]]] = {
         "plain": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "0", json.dumps(engine)], {}),
         "mtp3": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "3", json.dumps(engine)], {}),
         "mtp3-ladder": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "3",
                          json.dumps({**engine, "speculative_extra": {"dflash_concurrency_drafts": SPEC_LADDER}})], {}),
         "dflash4": ([*dflash_args(4), json.dumps(dflash_engine)], {}),
-        "dflash4-eager": ([*dflash_args(4), json.dumps({**dflash_engine, "enforce_eager": True})], {}),
+        "dflash4-eager": ([*dflash_args(4), dflash_eager], {}),
         "dflash4-v1": ([*dflash_args(4), json.dumps(dflash_engine)], RUNNER_ENV["v1"]),
         "dflash3": ([*dflash_args(3), json.dumps(dflash_engine)], {}),
         "mtp4": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "4", json.dumps(engine)], {}),
-        "dflash4-reference": ([*dflash_args(4), json.dumps({**dflash_engine, "enforce_eager": True})], REFERENCE_OPS),
+        "dflash4-reference": ([*dflash_args(4), dflash_eager], REFERENCE_OPS),
         "dflash4-lbhnc": ([*dflash_args(4), json.dumps(dflash_engine)], {"VLLM_KV_CACHE_LAYOUT": "LBHNC"}),
         "dflash4-triton-attn": ([*dflash_args(4), json.dumps({**dflash_engine, "attention_backend": "TRITON_ATTN"})],
                                 {}),
         "dflash1": ([*dflash_args(1), json.dumps(dflash_engine)], {}),
         "dflash1-blnhc": ([*dflash_args(1), json.dumps(dflash_engine)], {"VLLM_KV_CACHE_LAYOUT": "BLNHC"}),
-        "dflash1-reference": ([*dflash_args(1), json.dumps({**dflash_engine, "enforce_eager": True})], REFERENCE_OPS),
+        "dflash1-reference": ([*dflash_args(1), dflash_eager], REFERENCE_OPS),
         **{f"dflash1-ref-{op.lower().replace('_', '-')}": (
-            [*dflash_args(1), json.dumps({**dflash_engine, "enforce_eager": True})], {f"QWEN38_{op}_REFERENCE": "1"})
+            [*dflash_args(1), dflash_eager], {f"QWEN38_{op}_REFERENCE": "1"})
            for op in ("HC", "NORM_ROPE", "PLE", "QSA_PAGED")},
     }  # fmt: skip
     plain: list[list[int]] | None = None
