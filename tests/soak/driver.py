@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import random
 import time
@@ -710,6 +711,19 @@ async def settle(http: httpx.AsyncClient, model: str, token: int, timeout: float
 
 async def run_soak(config: SoakConfig, log: Callable[[str], None] = print) -> SoakReport:
     """Build the workload, run the reference and soak passes, and report (see the module docstring)."""
+    # The client shares its process with whatever ran before it (under pytest: torch, vLLM and
+    # transformers objects of earlier tests). A full garbage collection over that heap can stop
+    # this event loop for seconds between a request's headers and its body, which the server
+    # rightly answers 408 (CI, 2026-12-01: four requests); frozen objects are not scanned.
+    gc.collect()
+    gc.freeze()
+    try:
+        return await _run_soak(config, log)
+    finally:
+        gc.unfreeze()
+
+
+async def _run_soak(config: SoakConfig, log: Callable[[str], None]) -> SoakReport:
     limits = httpx.Limits(max_connections=8)
     async with httpx.AsyncClient(base_url=config.base_url, timeout=120, limits=limits) as http:
         info = await server_info(http, config.model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -310,6 +311,40 @@ def test_a_body_that_stops_arriving_is_answered_408(caplog: pytest.LogCaptureFix
         "body: incomplete request body (10 of 999 bytes) and nothing more for 0.2 s (TOOL_PARSERS_BODY_TIMEOUT_SECONDS)"
     )
     assert "answered 408" in caplog.text
+
+
+def test_a_body_sent_while_the_server_loop_was_stalled_is_read_not_answered_408() -> None:
+    """The event loop blocks for three timeouts (a long tokenization, a garbage collection) and
+    the body arrives just after: the client was never silent for the timeout, so the request
+    goes on. (`asyncio.wait_for` answered 408 here: its timer fired on the stall's first tick.)"""
+    calls: list[bytes] = []
+    timeout = 0.2
+    raw = chat(max_tokens=3)
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    sent: list[Message] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+
+        async def receive() -> Message:
+            await arrived.wait()
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        def stall_then_send() -> None:
+            time.sleep(3 * timeout)  # the loop does nothing else meanwhile
+            loop.call_later(0.05, arrived.set)  # the body comes 50 ms after the stall
+
+        loop.call_later(0.05, stall_then_send)
+        app = RequestChecksMiddleware(recording_app(calls), CheckSettings(body_timeout=timeout))
+        await app(scope, receive, send)
+
+    asyncio.run(main())
+    assert sent[0]["status"] == 200
+    assert calls == [raw]
 
 
 def test_a_client_gone_before_its_body_ended_gets_nothing() -> None:

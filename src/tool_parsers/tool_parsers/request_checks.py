@@ -497,9 +497,8 @@ class RequestChecksMiddleware:
             return
         body = bytearray()
         while True:
-            try:
-                message = await asyncio.wait_for(receive(), self.settings.body_timeout)
-            except asyncio.TimeoutError:
+            message = await receive_within(receive, self.settings.body_timeout)
+            if message is None:
                 expected = _header(scope, b"content-length") or "?"
                 timeout = CheckFailure(
                     408,
@@ -532,6 +531,34 @@ class RequestChecksMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+async def receive_within(receive: Receive, timeout: float) -> Message | None:
+    """The next ASGI message, or None when the client sent nothing for `timeout` seconds.
+
+    Only time in which this server's event loop was free to read counts: the wait advances in
+    ticks, and a tick that ends late (the loop was busy elsewhere: a long tokenization, a
+    garbage collection, a starved process) counts as one tick. A body that arrived during such a
+    stall is read, never answered 408; `asyncio.wait_for` would time out there on Python 3.12+,
+    where the expiring timer cancels the read that the stall had delayed.
+    """
+    loop = asyncio.get_running_loop()
+    tick = min(timeout / 8, 0.25)  # a stall costs the client one tick
+    pending = asyncio.ensure_future(receive())
+    silent = 0.0
+    try:
+        while True:
+            start = loop.time()
+            await asyncio.wait((pending,), timeout=tick)
+            if not pending.done():
+                await asyncio.sleep(0)  # let reads that a stall queued behind the timer run first
+            if pending.done():
+                return pending.result()
+            silent += min(loop.time() - start, tick)
+            if silent >= timeout:
+                return None
+    finally:
+        pending.cancel()  # a no-op once it is done
 
 
 def _header(scope: Scope, name: bytes) -> str:
