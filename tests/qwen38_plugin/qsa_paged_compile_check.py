@@ -1,4 +1,4 @@
-"""`ops.qsa_paged`'s Triton kernels compile for sm_70 (V100) and sm_90 (H100/H200), on any machine.
+"""The QSA Triton kernels (`ops.qsa_paged`, `ops.qsa_step_metadata`) compile for sm_70 and sm_90, anywhere.
 
 `triton.compile` of each kernel as the ops launch it, at Flash-Next's sizes, for a CUDA target:
 PTX and a cubin, no GPU needed (shared/docs/sm70-toolchain.md). Each kernel compiles for both
@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from qwen38_plugin.ops import qsa_paged
+from qwen38_plugin.ops import qsa_paged, qsa_step_metadata
 
 
 def _signature(
@@ -87,6 +87,12 @@ def _compile_cases(
             {"RATIO": 4, "TOPK": topk, "HEADS_PER_KV": 12, "NUM_Q_HEADS": 24, "HEAD_DIM": 256, "BLOCK_SIZE": 64,
              "BLOCK_H": 16, "BLOCK_D": 256, "BLOCK_N": block_n, "NUM_SPLITS": splits, "FP32_DOT": dtype == "fp32"}, 4)
            for mode, topk, splits, block_n in (("sparse", 512, 1, wide), ("split", 512, 8, 32))},
+        **{f"step_metadata_{kind.name.lower()}": (
+            qsa_step_metadata._step_metadata_kernel,
+            {"qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "table_ptr": "*i32", "slot_mapping_ptr": "*i64",
+             "token_req_ptr": "*i32", "step_start_ptr": "*i32", "positions_ptr": "*i64", "slots_ptr": "*i64"}, (),
+            {"KIND": int(kind), "SEARCH_STEPS": 9, "BLOCK": 256}, 4)
+           for kind in qsa_step_metadata.CacheKind},
         "merge_splits": (qsa_paged._merge_splits_kernel,
                          {"partial_acc_ptr": f32, "partial_ml_ptr": f32, "gate_ptr": p, "out_ptr": p}, (),
                          {"NUM_Q_HEADS": 24, "HEAD_DIM": 256, "NUM_SPLITS": 8, "BLOCK_S": 8, "BLOCK_D": 256}, 4),
@@ -95,10 +101,12 @@ def _compile_cases(
 
 EVERY_KERNEL = ["write_kv", "write_rows", "group_keys", "index_scores", "select_groups", "sparse_attention_sparse",
                 "merge_splits"]  # fmt: skip
+# the step-metadata kernel has integer arguments only: one compile per cache kind and target
+STEP_METADATA = [f"step_metadata_{kind.name.lower()}" for kind in qsa_step_metadata.CacheKind]
 COMPILES = [
-    (70, "fp16", EVERY_KERNEL),
+    (70, "fp16", EVERY_KERNEL + STEP_METADATA),
     (70, "fp32", ["sparse_attention_split"]),
-    (90, "bf16", [*EVERY_KERNEL[:4], "select_groups_chunked", *EVERY_KERNEL[5:]]),
+    (90, "bf16", [*EVERY_KERNEL[:4], "select_groups_chunked", *EVERY_KERNEL[5:], *STEP_METADATA]),
     (90, "fp16", ["index_scores"]),
 ]
 SHARED_LIMIT = {70: 96 << 10, 90: 227 << 10}
