@@ -12,7 +12,7 @@ here, naming the kernel, instead of a V100 user's first request.
 
 vLLM's CPU build turns Triton off when no GPU driver is active (`vllm.triton_utils` then hands out
 placeholders, and these kernels are plain functions), so the compiles run in a subprocess that
-tells `vllm.triton_utils` Triton is there before vLLM is imported. Nothing is launched.
+turns it on first (`tests.vllm_triton`). Nothing is launched.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -146,21 +145,14 @@ def compile_all() -> dict[str, str]:
     return report
 
 
-def _triton_on() -> None:
-    """(in the subprocess, before vLLM is imported) `vllm.triton_utils` gets real Triton."""
-    importing = types.ModuleType("vllm.triton_utils.importing")
-    importing.HAS_TRITON = True  # type: ignore[attr-defined]
-    importing.TritonPlaceholder = importing.TritonLanguagePlaceholder = object  # type: ignore[attr-defined]
-    sys.modules["vllm.triton_utils.importing"] = importing
-
-
 @pytest.fixture(scope="module")
 def report() -> dict[str, str]:
     pytest.importorskip("triton")
     script = (
         "import json, sys\n"
+        "import tests.vllm_triton\n"
+        "tests.vllm_triton.enable()\n"
         "from tests.sm70_backend import test_vllm_decode_kernels_sm70 as t\n"
-        "t._triton_on()\n"
         "print('REPORT ' + json.dumps(t.compile_all()))\n"
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)

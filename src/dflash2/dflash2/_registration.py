@@ -45,6 +45,13 @@ def register_with_vllm() -> list[str]:
     registered.append(f"--speculative-config key {speculative_args.LADDER_KEY}")
     from vllm import ModelRegistry
 
+    from dflash2 import vllm_acceptance
+
+    # K20: adaptive verification's estimator with a trust region and exploration, swapped in when
+    # Model Runner V2 (GPU) imports stock's (a post-import hook: nothing is imported here).
+    estimator = vllm_acceptance.install()
+    if estimator is not None:
+        registered.append(estimator)
     # Stock's DFlash drafter with a column-parallel fc at TP > 1 (K17); at TP = 1 it is stock's.
     ModelRegistry.register_model(DRAFTER_ARCHITECTURE, DRAFTER_CLASS)
     registered.append(f"{DRAFTER_ARCHITECTURE} with a column-parallel fc")
