@@ -9,19 +9,15 @@ serving engine, runs on GPUs only; this checks the class the engine would build.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from dflash2 import vllm_acceptance
 from dflash2.acceptance import ROBUST
+from tests.vllm_triton import call_in_subprocess
 
-ROOT = Path(__file__).resolve().parents[2]
 K = 4
 REQS = 8
 
@@ -83,19 +79,9 @@ def scenario() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
     pytest.importorskip("triton")
-    script = (
-        "import json\n"
-        "import tests.vllm_triton\n"
-        "tests.vllm_triton.enable()\n"
-        "from tests.dflash2 import test_vllm_acceptance as t\n"
-        "print('REPORT ' + json.dumps(t.scenario()))\n"
-    )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop(vllm_acceptance.SETTING_ENV, None)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("REPORT ")]
-    assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
-    result: dict[str, Any] = json.loads(lines[-1].removeprefix("REPORT "))
+    result: dict[str, Any] = call_in_subprocess("tests.dflash2.test_vllm_acceptance", "scenario", env)
     return result
 
 

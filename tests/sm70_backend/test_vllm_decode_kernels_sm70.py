@@ -17,17 +17,12 @@ turns it on first (`tests.vllm_triton`). Nothing is launched.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.qwen38_plugin.qsa_paged_compile_check import _signature
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.vllm_triton import call_in_subprocess
 
 HEADS_K, HEADS_V, HEAD_DIM, TP = 16, 48, 128, 4
 CONV_CHANNELS = (2 * HEADS_K * HEAD_DIM + HEADS_V * HEAD_DIM) // TP
@@ -148,17 +143,7 @@ def compile_all() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def report() -> dict[str, str]:
     pytest.importorskip("triton")
-    script = (
-        "import json, sys\n"
-        "import tests.vllm_triton\n"
-        "tests.vllm_triton.enable()\n"
-        "from tests.sm70_backend import test_vllm_decode_kernels_sm70 as t\n"
-        "print('REPORT ' + json.dumps(t.compile_all()))\n"
-    )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("REPORT ")]
-    assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
-    result: dict[str, str] = json.loads(lines[-1].removeprefix("REPORT "))
+    result: dict[str, str] = call_in_subprocess("tests.sm70_backend.test_vllm_decode_kernels_sm70", "compile_all")
     return result
 
 
