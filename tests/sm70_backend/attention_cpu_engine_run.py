@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.sm70_backend.awq_engine_run import attention_impls
+from tests.sm70_backend.awq_engine_run import attention_impls, request_results
 
 PROMPT_LENGTHS = (3, 17, 61)
 
@@ -48,20 +48,7 @@ def main() -> None:
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, logprobs=1, prompt_logprobs=1))
     result = {
         "attention_impls": llm.collective_rpc(attention_impls)[0],
-        "requests": [
-            {
-                "prompt_ids": list(o.prompt_token_ids),
-                "prompt_logprobs": [
-                    None if lp is None else lp[tok].logprob
-                    for tok, lp in zip(o.prompt_token_ids, o.prompt_logprobs or [], strict=False)
-                ],
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": [
-                    lp[tok].logprob for tok, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=True)
-                ],
-            }
-            for o in outs
-        ],
+        "requests": request_results(outs),
     }
     with open(out_path, "w") as f:
         json.dump(result, f)

@@ -41,6 +41,24 @@ def parameter_dtypes(worker) -> dict[str, str]:  # type: ignore[no-untyped-def]
     return {name: str(p.dtype).removeprefix("torch.") for name, p in worker.model_runner.model.named_parameters()}
 
 
+def request_results(outs) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
+    """Per request: prompt ids, prompt logprobs (of the prompt's own tokens), greedy tokens and their logprobs."""
+    return [
+        {
+            "prompt_ids": list(o.prompt_token_ids),
+            "prompt_logprobs": [
+                None if lp is None else lp[tok].logprob
+                for tok, lp in zip(o.prompt_token_ids, o.prompt_logprobs or [], strict=False)
+            ],
+            "tokens": list(o.outputs[0].token_ids),
+            "logprobs": [
+                lp[tok].logprob for tok, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=True)
+            ],
+        }
+        for o in outs
+    ]
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
 
@@ -62,20 +80,7 @@ def main() -> None:
         "methods": llm.collective_rpc(layer_methods)[0],
         "attention_impls": llm.collective_rpc(attention_impls)[0],
         "parameters": llm.collective_rpc(parameter_dtypes)[0],
-        "requests": [
-            {
-                "prompt_ids": list(o.prompt_token_ids),
-                "prompt_logprobs": [
-                    None if lp is None else lp[tok].logprob
-                    for tok, lp in zip(o.prompt_token_ids, o.prompt_logprobs or [], strict=False)
-                ],
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": [
-                    lp[tok].logprob for tok, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=True)
-                ],
-            }
-            for o in outs
-        ],
+        "requests": request_results(outs),
     }
     with open(out_path, "w") as f:
         json.dump(result, f)
