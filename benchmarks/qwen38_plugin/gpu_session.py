@@ -371,7 +371,8 @@ def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]
                 json.dumps({"method": "dflash", "model": str(view), "num_speculative_tokens": drafts}),
                 json.dumps(prompts(0)), json.dumps([STEPS] * len(prompts(0)))]  # fmt: skip
 
-    # the dispatcher refuses DFlash on a GPU (not yet lossless there): lifted in the run's own process to study it
+    # the dispatcher refuses DFlash in vLLM's V1 runner on a GPU (no draft accepted there): lifted in the run's own
+    # process, so that dflash4-v1 can study it
     dflash_engine = {**engine, "dtype": dtype, "enable_prefix_caching": False, "lift_gpu_dflash_refusal": True}
     dflash_eager = json.dumps({**dflash_engine, "enforce_eager": True})  # the references' indexing is not capturable
     runs: dict[str, tuple[list[str], dict[str, str]]] = {

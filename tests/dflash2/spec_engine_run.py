@@ -4,8 +4,8 @@ Usage: spec_engine_run.py MODEL SPECULATIVE_CONFIG_JSON PROMPTS_JSON MAX_TOKENS_
 
 All prompts (token ids) are submitted together, request i with greedy sampling, `ignore_eos` and
 MAX_TOKENS[i] tokens. ``"lift_gpu_dflash_refusal": true`` among the LLM kwargs (not passed to vLLM)
-lifts the portable model's refusal of DFlash on a GPU in this process (for the GPU session's study of
-it). The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+lifts the portable model's refusal of DFlash in vLLM's V1 runner on a GPU in this process (for the
+GPU session's study of it). The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so all requests are queued before its first step, and every step's `SchedulerOutput` (what the
 target runs and verifies) is recorded as it leaves stock's scheduler.
 
@@ -25,8 +25,9 @@ from typing import Any
 
 
 def lift_gpu_dflash_refusal() -> None:
-    """In this process only (engine core included): let the portable model verify a DFlash drafter on a GPU,
-    which its dispatcher refuses (not yet lossless there), so that a GPU session can study it."""
+    """In this process only (engine core included): let the portable model verify a DFlash drafter in vLLM's
+    V1 model runner on a GPU, which its dispatcher refuses (no draft accepted there), so that a GPU session
+    can study it."""
     import dataclasses
 
     from qwen38_plugin import dispatch

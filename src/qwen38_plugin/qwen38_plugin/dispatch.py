@@ -72,6 +72,8 @@ class Target:
     prefix_caching: bool = False
     pipeline_parallel_size: int = 1
     enable_hc_sp: bool = False
+    # vLLM's V2 model runner (its default on CUDA); the CPU runs V1 (read off the CPU only)
+    v2_model_runner: bool = True
     # What stock's model needs from the checkpoint or the installation that is missing here.
     stock_lacks: tuple[str, ...] = ()
     architecture: str = ARCHITECTURE
@@ -186,16 +188,14 @@ def _refuse_what_portable_lacks(target: Target, choice: Choice) -> None:
             "--enable-prefix-caching together with --speculative-config on CPU (vLLM's CPU runner cannot copy "
             "the recurrent states for it): pass --no-enable-prefix-caching"
         )
-    if method == "dflash" and target.platform != "cpu":
-        # On the H200 (2026-12-01, benchmarks/qwen38_plugin/results/h200_spec.txt) greedy output with a
-        # DFlash drafter differed from the target alone (6 of 8 prompts identical, in both of vLLM's
-        # model runners, with and without CUDA graphs). The cause, PLE's Triton kernels reading vLLM's
-        # strided state-slot column as contiguous, is fixed (ops/ple_varlen.py); refused until the
-        # H200 re-run with the fix shows it lossless.
+    if method == "dflash" and target.platform != "cpu" and not target.v2_model_runner:
+        # On the H200 (2026-12-02, benchmarks/qwen38_plugin/results/h200_spec.txt) DFlash in vLLM's V2
+        # model runner (its default on CUDA) gave the target's greedy tokens and accepted drafts; in
+        # the V1 runner the tokens were the target's too, but not one of 992 drafts was accepted, so
+        # every verify step would cost a draft for nothing.
         lacks.append(
-            f"speculative method 'dflash' on {target.platform} (on the H200 its greedy output differed from the "
-            "target alone; it is lossless on CPU only so far): use --speculative-config "
-            '\'{"method": "mtp", ...}\' (lossless on the H200) or drop --speculative-config'
+            f"speculative method 'dflash' in vLLM's V1 model runner on {target.platform} (no draft was ever "
+            "accepted there on the H200): unset VLLM_USE_V2_MODEL_RUNNER or set it to 1"
         )
     if method == "dflash" and target.prefix_caching:
         # The QSA block keys are declared DCP-sharded beside a DFlash drafter (vllm_qsa_cache), and
@@ -237,6 +237,7 @@ def target_of(
         prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         enable_hc_sp=bool(getattr(parallel, "enable_hc_sp", False)),
+        v2_model_runner=platform[0] != "cpu" and bool(vllm_config.use_v2_model_runner),
         stock_lacks=stock_lacks(vllm_config.model_config.hf_text_config, platform[0]),
         architecture=architecture,
     )
