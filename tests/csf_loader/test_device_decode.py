@@ -65,3 +65,20 @@ def test_device_path_equals_host_path_under_interpreter() -> None:
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "device=cpu checks=" in result.stdout and "failures=0" in result.stdout, result.stdout
+
+
+def test_a_streamed_plane_is_checked_on_the_host_before_it_is_copied() -> None:
+    """A plane read from a file is on the host: its values are checked there, before the copy to the
+    device (a check on a GPU reads back and waits for every copy queued before it). The "meta" device
+    stands in for the GPU: a check that ran there could not read values and would fail otherwise."""
+    from csf_loader.codec import NVFP4_CSF, SLAB_ROWS, CsfFormatError, CsfPlane, encode
+
+    rows, cols = 32, 64
+    scales = torch.randint(100, 110, (rows, cols), dtype=torch.uint8)
+    plane = encode(scales, NVFP4_CSF)
+    fixed = plane.fixed.clone()
+    fixed.reshape(rows // SLAB_ROWS, -1)[1, 3] = 255  # row 16 + 3's base above the limit
+    decoder = PlaneDecoder(torch.device("meta"), "torch")
+    refused = r"w\.weight_scale\.nvfp4_csf_fixed: row 19 has base 255 above .* limit 240"
+    with pytest.raises(CsfFormatError, match=refused):
+        decoder.decode(CsfPlane(fixed, plane.exceptions), NVFP4_CSF, rows, cols, "w.weight_scale")

@@ -115,11 +115,13 @@ class PlaneDecoder:
 
     def _checked_on_device(self, plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> CsfPlane:
         """The plane checked (``codec.validate_plane``'s checks and messages) and on the device:
-        dtypes and shapes before anything is copied, the values where the bytes are."""
+        dtypes and shapes before anything is copied, the values where the bytes are when they
+        arrive (a plane streamed from the file: on the host, before the copy, so the checks cost
+        the GPU no reads back, which each wait for every copy queued before them)."""
         check_plane_layout(plane, codec, rows, cols, what)
+        check_plane_values(plane, codec, rows, cols, what)
         if plane.fixed.device != self.device or plane.exceptions.device != self.device:
             plane = CsfPlane(plane.fixed.to(self.device), plane.exceptions.to(self.device))
-        check_plane_values(plane, codec, rows, cols, what)
         return plane
 
     def _decode_triton(self, plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> torch.Tensor:
