@@ -28,6 +28,11 @@
 #      (SPEC_RUNS: gpu_session.py's --spec-runs); then, with SM70_K set, part w's tests.
 #   k: issue 12 item 6 for MTP: bench_mtp_trained.py (train the medium checkpoint's MTP head on the
 #      target's own text, then decode tokens/s and acceptance length at concurrency 1 / 4 / 8 / 64).
+#      Its stages are kept under /tmp/h200_session/mtp, so MTP_ARGS can spread them over calls on a
+#      warm machine, e.g. the target trained on the stdlib's source first (a random target's text is
+#      unlearnable: results/h200_bench_mtp_trained.txt), then the head, then the measurements:
+#        MTP_ARGS="$A --stop-after pretrain", then "$A --stop-after train", then "$A", with
+#        A="--pretrain-steps 100000 --pretrain-seconds 420 --train-steps 1500 --drafts 3 --no-untrained"
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
 #
 # This checkout's sources come first on PYTHONPATH (the kit's plugin wheels give the entry points).
