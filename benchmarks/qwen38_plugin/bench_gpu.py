@@ -47,6 +47,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -336,7 +337,9 @@ def finish_child(child: tuple[subprocess.Popen[str], Path], timeout: int) -> dic
     lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :]) if lines else {}
     if error is not None:
-        errors = [line for line in output.splitlines() if "Error" in line or "error" in line]
+        # the last line that states an error ("ValueError: ...", pydantic's "Value error, ..."), not
+        # a line that merely mentions one (pydantic's closing "errors.pydantic.dev" link)
+        errors = [line for line in output.splitlines() if re.search(r"(Error|error)[:,]", line)]
         result["error"] = (errors[-1] if errors else error)[:500] + f" ({error}; log: {log.name})"
     return result
 
