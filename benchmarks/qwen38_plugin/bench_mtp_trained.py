@@ -5,6 +5,8 @@ measure speculative decoding inside stock vLLM against no speculation, in one ru
         [--sequences 256] [--new-tokens 192] [--train-steps 400] [--drafts 1,3] [--batches 1,4,8,64]
         [--no-untrained]
     python benchmarks/qwen38_plugin/bench_mtp_trained.py OUT_DIR --dry-run     # the same on CPU, tiny
+        (--dry-run sets CPU sizes for every option not given: `--dry-run --pretrain-steps 400
+        --train-steps 300` trains for real on the CPU)
 
 0. ``pretrain`` (``--pretrain-steps`` N > 0; this process, transformers' ``Qwen4ExpForCausalLM`` on
    the GPU, bf16 autocast): the random checkpoint of ``--config`` is trained as a causal LM (AdamW,
@@ -503,10 +505,14 @@ def main() -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     if args.dry_run:
-        args.config, args.dtype, args.sequences, args.new_tokens, args.train_steps = "tiny", "float32", 6, 24, 12
-        args.batches, args.repeats, args.drafts = [1, 2], 1, "2"
-        if args.pretrain_steps:
-            args.pretrain_steps, args.pretrain_batch, args.pretrain_seq_len, args.corpus_tokens = 4, 2, 64, 20_000
+        # the CPU's sizes, for every value not given on the command line
+        given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
+        small = {"config": "tiny", "dtype": "float32", "sequences": 6, "new_tokens": 24, "train_steps": 12,
+                 "batches": [1, 2], "repeats": 1, "drafts": "2", "pretrain_steps": min(args.pretrain_steps, 4),
+                 "pretrain_batch": 2, "pretrain_seq_len": 64, "corpus_tokens": 20_000}  # fmt: skip
+        for name, value in small.items():
+            if f"--{name.replace('_', '-')}" not in given:
+                setattr(args, name, value)
     import torch
 
     args.cpu = not torch.cuda.is_available()
