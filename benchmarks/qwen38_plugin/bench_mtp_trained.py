@@ -47,6 +47,7 @@ caching off with speculation): its numbers are not measurements.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -82,10 +83,18 @@ def random_prompts(n: int, seed: int, corpus: str | None = None) -> list[list[in
 
     gen = torch.Generator().manual_seed(seed)
     if corpus:
-        held_out = torch.load(corpus)[-1]
+        held_out = held_out_tokens(corpus)
         starts = torch.randint(0, held_out.numel() - PROMPT_LEN, (n,), generator=gen).tolist()
         return [held_out[s : s + PROMPT_LEN].tolist() for s in starts]
     return [torch.randint(0, 240_000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(n)]
+
+
+@functools.cache
+def held_out_tokens(corpus: str) -> Any:
+    """The held-out tokens of a `corpus_tokens` file (read once per process)."""
+    import torch
+
+    return torch.load(corpus)[-1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +140,11 @@ def pretrain(args: argparse.Namespace, model: Path, corpus: Path, device: str) -
     import torch
     from transformers import Qwen4ExpForCausalLM
 
-    destination = args.work / f"{model.name}-pretrained-{args.pretrain_steps}-{args.pretrain_seconds}s"
+    # every setting that changes the result is in the name, so a later run reuses only its own result
+    destination = args.work / (
+        f"{model.name}-pretrained-{args.pretrain_steps}-{args.pretrain_seconds}s-lr{args.pretrain_lr}"
+        f"-{args.pretrain_batch}x{args.pretrain_seq_len}-{corpus.stem}"
+    )
     report_file = destination / "pretrain_report.json"
     if report_file.exists():
         return destination, json.loads(report_file.read_text())
@@ -371,7 +384,10 @@ def evaluate(core: Any, head: Any, streams: list[Any], sequences: list[list[int]
     return {"loss": float(sum(p[0] for p in pairs) / len(pairs)), "top1": float(sum(p[1] for p in pairs) / len(pairs))}
 
 
-def train(args: argparse.Namespace, model: Path, sequences: list[list[int]], device: str) -> dict[str, Any]:
+def train(
+    args: argparse.Namespace, model: Path, sequences: list[list[int]], device: str, trained: Path
+) -> dict[str, Any]:
+    """Stage 2: the MTP head trained on ``sequences``, written with its report to ``trained``."""
     import torch
 
     core, head = load_oracle(model, device)
@@ -405,7 +421,6 @@ def train(args: argparse.Namespace, model: Path, sequences: list[list[int]], dev
     report["train_s"] = round(time.perf_counter() - start, 1)
     report["after"] = evaluate(core, head, eval_streams, eval_seqs, device)
     print(f"train: after {report['after']} ({report['train_s']} s)", flush=True)
-    trained = args.work / f"{model.name}-trained"
     report["checkpoint"] = str(trained)
     write_head(model, head, trained, report)
     return report
@@ -552,11 +567,11 @@ def main() -> None:
         cached.write_text(json.dumps(generated))
     if args.stop_after == "generate":
         return
-    trained = args.work / f"{model.name}-trained"
+    trained = args.work / f"{tag}-trained-{args.train_steps}-lr{args.lr}"
     if (trained / "train_report.json").exists():
         report["train"] = json.loads((trained / "train_report.json").read_text())
     else:
-        report["train"] = train(args, model, generated["sequences"], device)
+        report["train"] = train(args, model, generated["sequences"], device, trained)
     save()
     if args.stop_after == "train":
         return
@@ -566,7 +581,8 @@ def main() -> None:
             settings.append((f"mtp{drafts}-untrained", model, drafts))
         settings.append((f"mtp{drafts}-trained", trained, drafts))
     for name, checkpoint, drafts in settings:
-        measured = args.work / f"measure-{tag}-{name}-{','.join(map(str, args.batches))}.json"
+        batches = ",".join(map(str, args.batches))
+        measured = args.work / f"measure-{checkpoint.name}-d{drafts}-b{batches}-n{args.new_tokens}-r{args.repeats}.json"
         if measured.exists():
             report["measure"][name] = json.loads(measured.read_text())
         else:
