@@ -9,6 +9,9 @@ twice: with the host decoder (the torch codec, as on CPU) and with the device de
 the CPU standing in for the GPU). Checks:
 
 * every yielded tensor has the same name, dtype, shape and bytes, the decoded ones on DEVICE;
+* a host plane staged for the device in one copy (``device_decode.stage_plane``: starts, exception
+  words and fixed stream in one buffer) decodes to the torch codec's bytes, with and without
+  exception words, through the one-pass kernel and the fallback, for both codecs;
 * every corrupt-input case fails with the same ``CsfLoadError`` message on both paths, naming the
   file (or shard) and tensor;
 * an out-of-memory error while decoding names the tensor and the bytes it needed (on cpu the
@@ -27,10 +30,11 @@ from pathlib import Path
 import torch
 
 from csf_loader import device_decode
-from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, encode
+from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, decode, encode
 from csf_loader.convert import main as csf_convert
-from csf_loader.device_decode import PlaneDecoder
+from csf_loader.device_decode import PlaneDecoder, stage_plane
 from csf_loader.stream import CsfLoadError, decode_csf_stream, mxfp4_container_stream
+from csf_loader.triton_decode import decode_triton_stacked
 
 Stream = list[tuple[str, torch.Tensor]]
 FAILURES: list[str] = []
@@ -153,6 +157,25 @@ def oom_message(device: torch.device, plane_stream: Stream) -> str:
         device_decode._device_empty = real
 
 
+def staged_planes(device: torch.device) -> None:
+    """Planes staged in one buffer (``stage_plane``) decode by the kernel to the codec's bytes."""
+    cases: list[tuple[CsfCodec, int, int, int]] = [
+        (NVFP4_CSF, 32, 64, 20),  # exception words, one-pass kernel
+        (NVFP4_CSF, 48, 32, 3),  # no exception words: the starts stand in for the words pointer
+        (MXFP4_CSF, 32, 40, 2),  # exception words, one-pass kernel
+        (MXFP4_CSF, 16, 12, 0),  # no exception words, columns not a multiple of 8: the fallback
+    ]
+    for seed, (codec, rows, cols, spread) in enumerate(cases):
+        plane = encode(scales(seed, rows, cols, spread), codec)
+        label = f"staged {codec.family} [{rows}, {cols}] with {plane.exceptions.numel()} exception words"
+        fixed, words, starts = stage_plane(plane, device)
+        check(fixed.device.type == device.type and fixed.data_ptr() % 4 == 0, f"{label}: fixed stream misplaced")
+        check(starts.cpu().tolist() == [0, plane.exceptions.numel()], f"{label}: starts {starts.cpu().tolist()}")
+        out = torch.empty(rows, cols, dtype=torch.uint8, device=device)
+        decode_triton_stacked(fixed, words, starts, codec, 1, rows, cols, out, words.numel())
+        check(torch.equal(out.cpu(), decode(plane, codec, rows, cols)), f"{label}: decoded bytes differ")
+
+
 def main() -> int:
     device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
     kernel = "triton" if device.type == "cpu" else ""  # on cpu the Triton kernel stands in for the GPU's
@@ -172,6 +195,7 @@ def main() -> int:
         device,
         "NVFP4 stream",
     )
+    staged_planes(device)
     # A rank's extent: the host path decodes only that region, the device path the whole plane.
     region = ((16, 48), (2, 6))
     host_decoder, dev_decoder = host(), dev()

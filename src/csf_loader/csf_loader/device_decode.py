@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from csf_loader.codec import CsfCodec, CsfFormatError, CsfPlane, check_plane_layout, check_plane_values, decode_region
-from csf_loader.triton_decode import HAVE_TRITON, decode_triton
+from csf_loader.triton_decode import HAVE_TRITON, decode_triton_stacked
 
 ENV = "CSF_LOADER_DECODE"
 KERNELS = ("auto", "torch", "triton")
@@ -66,7 +66,8 @@ class PlaneDecoder:
     """Decodes every plane of a weight stream onto ``device`` with the kernel chosen for it.
 
     Keeps counts for the loader's log line: planes, those decoded over a region only, decoded
-    bytes, seconds (host wall time, device copies and checks included).
+    bytes, seconds (host wall time, device copies and checks included) and of them the seconds
+    spent copying planes from the host (``stage_plane``).
     """
 
     device: torch.device
@@ -75,6 +76,7 @@ class PlaneDecoder:
     partial: int = 0
     decoded_bytes: int = 0
     seconds: float = 0.0
+    copy_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -124,11 +126,26 @@ class PlaneDecoder:
             plane = CsfPlane(plane.fixed.to(self.device), plane.exceptions.to(self.device))
         return plane
 
+    def _staged_on_device(
+        self, plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``stage_plane``'s three tensors on the device, checked as in ``_checked_on_device``."""
+        check_plane_layout(plane, codec, rows, cols, what)
+        check_plane_values(plane, codec, rows, cols, what)
+        if plane.fixed.device == self.device and plane.exceptions.device == self.device:
+            starts = torch.tensor([0, plane.exceptions.numel()], dtype=torch.int64, device=self.device)
+            return plane.fixed, plane.exceptions, starts
+        started = time.perf_counter()
+        try:
+            return stage_plane(plane, self.device)
+        finally:
+            self.copy_seconds += time.perf_counter() - started
+
     def _decode_triton(self, plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str) -> torch.Tensor:
         try:
-            on_device = self._checked_on_device(plane, codec, rows, cols, what)
+            fixed, words, starts = self._staged_on_device(plane, codec, rows, cols, what)
             out = _device_empty((rows, cols), self.device)
-            return decode_triton(on_device, codec, rows, cols, out=out, validate=False, what=what)
+            return decode_triton_stacked(fixed, words, starts, codec, 1, rows, cols, out, words.numel())
         except torch.OutOfMemoryError:
             raise DeviceMemoryError(self._oom_message(plane, rows, cols, what)) from None
 
@@ -166,4 +183,36 @@ class PlaneDecoder:
         )
 
 
-__all__ = ["ENV", "KERNELS", "CsfFormatError", "DecodeConfigError", "DeviceMemoryError", "PlaneDecoder", "kernel_for"]
+def stage_plane(plane: CsfPlane, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A host plane's fixed stream, exception words and ``[0, count]`` word starts on ``device``, in
+    one copy: a copy from pageable host memory returns only when it is done, so three small copies
+    a plane (the two streams and the starts) would cost three waits where one buffer costs one.
+
+    The buffer is ``[starts: 2 x int64 | words: count x uint32 | fixed bytes]``; each part begins
+    aligned to its element size (16 and 16 + 4 * count are multiples of 4, and the kernel reads an
+    NVFP4 fixed stream as int32 units)."""
+    count = plane.exceptions.numel()
+    fixed = plane.fixed.reshape(-1)
+    words_at, fixed_at = 16, 16 + 4 * count
+    host = torch.empty(fixed_at + fixed.numel(), dtype=torch.uint8)
+    host[:words_at].view(torch.int64).copy_(torch.tensor([0, count], dtype=torch.int64))
+    host[words_at:fixed_at].view(torch.int32).copy_(plane.exceptions.view(torch.int32).cpu())
+    host[fixed_at:].copy_(fixed.cpu())
+    staged = host.to(device)
+    return (
+        staged[fixed_at:].view(plane.fixed.shape),
+        staged[words_at:fixed_at].view(torch.uint32),
+        staged[:words_at].view(torch.int64),
+    )
+
+
+__all__ = [
+    "ENV",
+    "KERNELS",
+    "CsfFormatError",
+    "DecodeConfigError",
+    "DeviceMemoryError",
+    "PlaneDecoder",
+    "kernel_for",
+    "stage_plane",
+]

@@ -106,13 +106,14 @@ def decode_csf_stream(
 def log_decoded(decoder: PlaneDecoder, family: str) -> None:
     if decoder.planes:
         logger.info(
-            "csf_loader: decoded %d %s scale planes %s (%d of them only this rank's TP extent, %.1f MB) in %.3f s",
+            "csf_loader: decoded %d %s scale planes %s (%d of them only this rank's TP extent, %.1f MB) in %.3f s%s",
             decoder.planes,
             family,
             decoder.describe(),
             decoder.partial,
             decoder.decoded_bytes / 1e6,
             decoder.seconds,
+            f" ({decoder.copy_seconds:.3f} s of it copying the planes to the device)" if decoder.copy_seconds else "",
         )
 
 

@@ -374,9 +374,9 @@ def launch_fused(
     """Launch the one-pass kernel on flat ``fixed`` / ``out_bytes``; returns Triton's compiled-kernel
     handle. The exception pass runs only when there are exception words."""
     progs_per_plane = triton.cdiv(rows, config.rows_per_prog)
-    words = exceptions.view(torch.int32)
-    if not words.numel():  # never read (no exception pass), but Triton needs a pointer
-        words = torch.zeros(1, dtype=torch.int32, device=fixed.device)
+    # Without exception words the exception pass never runs, but Triton needs a pointer: the
+    # starts serve (no allocation and fill a plane).
+    words = exceptions.view(torch.int32) if exceptions.numel() else starts.view(torch.int32)
     units = fixed.view(torch.int32) if codec.offset_bits == 4 else fixed
     return _fused_kernel[(planes * progs_per_plane,)](
         fixed,
