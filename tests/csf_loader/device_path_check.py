@@ -9,9 +9,10 @@ twice: with the host decoder (the torch codec, as on CPU) and with the device de
 the CPU standing in for the GPU). Checks:
 
 * every yielded tensor has the same name, dtype, shape and bytes, the decoded ones on DEVICE;
-* a host plane staged for the device in one copy (``device_decode.stage_plane``: starts, exception
-  words and fixed stream in one buffer) decodes to the torch codec's bytes, with and without
-  exception words, through the one-pass kernel and the fallback, for both codecs;
+* a host plane staged for the device (``device_decode.stage_plane``: starts, exception words and
+  fixed stream in one buffer; ``StagingRing``: the same through a reused, on CUDA pinned, ring)
+  decodes to the torch codec's bytes, with and without exception words, through the one-pass
+  kernel and the fallback, for both codecs, the ring wrapping and a plane larger than it;
 * every corrupt-input case fails with the same ``CsfLoadError`` message on both paths, naming the
   file (or shard) and tensor;
 * an out-of-memory error while decoding names the tensor and the bytes it needed (on cpu the
@@ -32,7 +33,7 @@ import torch
 from csf_loader import device_decode
 from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, decode, encode
 from csf_loader.convert import main as csf_convert
-from csf_loader.device_decode import PlaneDecoder, stage_plane
+from csf_loader.device_decode import PlaneDecoder, StagingRing, stage_plane
 from csf_loader.stream import CsfLoadError, decode_csf_stream, mxfp4_container_stream
 from csf_loader.triton_decode import decode_triton_stacked
 
@@ -158,22 +159,36 @@ def oom_message(device: torch.device, plane_stream: Stream) -> str:
 
 
 def staged_planes(device: torch.device) -> None:
-    """Planes staged in one buffer (``stage_plane``) decode by the kernel to the codec's bytes."""
+    """Host planes staged for the device decode by the kernel to the codec's bytes: one buffer a
+    plane (``stage_plane``), and the staging ring (``StagingRing``) small enough that it wraps and
+    that one plane crosses alone, every decoded plane checked again after the last one."""
     cases: list[tuple[CsfCodec, int, int, int]] = [
         (NVFP4_CSF, 32, 64, 20),  # exception words, one-pass kernel
         (NVFP4_CSF, 48, 32, 3),  # no exception words: the starts stand in for the words pointer
         (MXFP4_CSF, 32, 40, 2),  # exception words, one-pass kernel
         (MXFP4_CSF, 16, 12, 0),  # no exception words, columns not a multiple of 8: the fallback
+        (NVFP4_CSF, 128, 64, 20),  # larger than the ring below: crosses alone
+        (NVFP4_CSF, 16, 16, 20),
     ]
+    ring = StagingRing(device, capacity=4096)
+    decoded: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     for seed, (codec, rows, cols, spread) in enumerate(cases):
         plane = encode(scales(seed, rows, cols, spread), codec)
+        expected = decode(plane, codec, rows, cols)
         label = f"staged {codec.family} [{rows}, {cols}] with {plane.exceptions.numel()} exception words"
-        fixed, words, starts = stage_plane(plane, device)
-        check(fixed.device.type == device.type and fixed.data_ptr() % 4 == 0, f"{label}: fixed stream misplaced")
-        check(starts.cpu().tolist() == [0, plane.exceptions.numel()], f"{label}: starts {starts.cpu().tolist()}")
-        out = torch.empty(rows, cols, dtype=torch.uint8, device=device)
-        decode_triton_stacked(fixed, words, starts, codec, 1, rows, cols, out, words.numel())
-        check(torch.equal(out.cpu(), decode(plane, codec, rows, cols)), f"{label}: decoded bytes differ")
+        for how, stage in (
+            ("one buffer", lambda p=plane: stage_plane(p, device)),
+            ("ring", lambda p=plane: ring.stage(p)),
+        ):
+            fixed, words, starts = stage()
+            check(fixed.device.type == device.type and fixed.data_ptr() % 4 == 0, f"{label} ({how}): fixed misplaced")
+            check(starts.cpu().tolist() == [0, plane.exceptions.numel()], f"{label} ({how}): starts {starts.tolist()}")
+            out = torch.empty(rows, cols, dtype=torch.uint8, device=device)
+            decode_triton_stacked(fixed, words, starts, codec, 1, rows, cols, out, words.numel())
+            decoded.append((f"{label} ({how})", out, expected))
+    check(ring.waits >= 1, f"the staging ring never wrapped ({ring.offset} bytes used)")
+    for label, out, expected in decoded:
+        check(torch.equal(out.cpu(), expected), f"{label}: decoded bytes differ")
 
 
 def main() -> int:

@@ -61,13 +61,76 @@ def _device_empty(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.uint8, device=device)
 
 
+def _plane_layout(plane: CsfPlane) -> tuple[int, int, int]:
+    """Offsets of the words and the fixed stream in a staged plane's buffer, and its size."""
+    words_at = 16
+    fixed_at = words_at + 4 * plane.exceptions.numel()
+    return words_at, fixed_at, fixed_at + plane.fixed.numel()
+
+
+def _fill_staging(host: torch.Tensor, plane: CsfPlane) -> None:
+    """Write ``[starts: 2 x int64 | words: count x uint32 | fixed bytes]`` into ``host``."""
+    words_at, fixed_at, _ = _plane_layout(plane)
+    host[:words_at].view(torch.int64).copy_(torch.tensor([0, plane.exceptions.numel()], dtype=torch.int64))
+    host[words_at:fixed_at].view(torch.int32).copy_(plane.exceptions.view(torch.int32).reshape(-1).cpu())
+    host[fixed_at:].copy_(plane.fixed.reshape(-1).cpu())
+
+
+def _staged_views(staged: torch.Tensor, plane: CsfPlane) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    words_at, fixed_at, _ = _plane_layout(plane)
+    return (
+        staged[fixed_at:].view(plane.fixed.shape),
+        staged[words_at:fixed_at].view(torch.uint32),
+        staged[:words_at].view(torch.int64),
+    )
+
+
+class StagingRing:
+    """Host memory that planes cross to the device from, reused round the ring.
+
+    On CUDA the ring is pinned, so a plane's copy is queued and the host goes on to the next
+    tensor at once (a copy from pageable memory returns only when it has landed). A region is
+    written again only after the device has read it: when the next plane does not fit before
+    the ring's end, the host waits for the copies queued so far (once per ``capacity`` bytes)
+    and starts again at the front. A plane larger than the ring crosses alone from pageable
+    memory (``stage_plane``). Elsewhere (CPU tensors, the tests) the ring is plain memory and
+    each copy completes before it returns.
+    """
+
+    def __init__(self, device: torch.device, capacity: int = 8 << 20) -> None:
+        self.device = torch.device(device)
+        self.capacity = capacity
+        self.buffer: torch.Tensor | None = None
+        self.offset = 0
+        self.waits = 0  # times the host waited for queued copies before reusing the ring
+
+    def stage(self, plane: CsfPlane) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        size = _plane_layout(plane)[2]
+        if size > self.capacity:
+            return stage_plane(plane, self.device)
+        if self.buffer is None:
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        start = -(-self.offset // 16) * 16  # 16-byte aligned, so the int64 starts stay aligned
+        if start + size > self.capacity:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self.waits += 1
+            start = 0
+        host = self.buffer[start : start + size]
+        _fill_staging(host, plane)
+        staged = torch.empty(size, dtype=torch.uint8, device=self.device)
+        staged.copy_(host, non_blocking=True)
+        self.offset = start + size
+        return _staged_views(staged, plane)
+
+
 @dataclass
 class PlaneDecoder:
     """Decodes every plane of a weight stream onto ``device`` with the kernel chosen for it.
 
     Keeps counts for the loader's log line: planes, those decoded over a region only, decoded
     bytes, seconds (host wall time, device copies and checks included) and of them the seconds
-    spent copying planes from the host (``stage_plane``).
+    spent staging planes from the host (``StagingRing``: filling the ring, queueing the copy).
     """
 
     device: torch.device
@@ -77,10 +140,13 @@ class PlaneDecoder:
     decoded_bytes: int = 0
     seconds: float = 0.0
     copy_seconds: float = 0.0
+    staging: StagingRing | None = None
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
         self.kernel = kernel_for(self.device, self.kernel or None)
+        if self.staging is None:
+            self.staging = StagingRing(self.device)
 
     @property
     def on_host(self) -> bool:
@@ -129,15 +195,17 @@ class PlaneDecoder:
     def _staged_on_device(
         self, plane: CsfPlane, codec: CsfCodec, rows: int, cols: int, what: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``stage_plane``'s three tensors on the device, checked as in ``_checked_on_device``."""
+        """The plane's fixed stream, exception words and ``[0, count]`` word starts on the device
+        (a host plane through the staging ring), checked as in ``_checked_on_device``."""
         check_plane_layout(plane, codec, rows, cols, what)
         check_plane_values(plane, codec, rows, cols, what)
         if plane.fixed.device == self.device and plane.exceptions.device == self.device:
             starts = torch.tensor([0, plane.exceptions.numel()], dtype=torch.int64, device=self.device)
             return plane.fixed, plane.exceptions, starts
+        assert self.staging is not None
         started = time.perf_counter()
         try:
-            return stage_plane(plane, self.device)
+            return self.staging.stage(plane)
         finally:
             self.copy_seconds += time.perf_counter() - started
 
@@ -185,25 +253,14 @@ class PlaneDecoder:
 
 def stage_plane(plane: CsfPlane, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A host plane's fixed stream, exception words and ``[0, count]`` word starts on ``device``, in
-    one copy: a copy from pageable host memory returns only when it is done, so three small copies
-    a plane (the two streams and the starts) would cost three waits where one buffer costs one.
+    one copy from pageable memory (the staging ring's way for a plane larger than the ring).
 
     The buffer is ``[starts: 2 x int64 | words: count x uint32 | fixed bytes]``; each part begins
     aligned to its element size (16 and 16 + 4 * count are multiples of 4, and the kernel reads an
-    NVFP4 fixed stream as int32 units)."""
-    count = plane.exceptions.numel()
-    fixed = plane.fixed.reshape(-1)
-    words_at, fixed_at = 16, 16 + 4 * count
-    host = torch.empty(fixed_at + fixed.numel(), dtype=torch.uint8)
-    host[:words_at].view(torch.int64).copy_(torch.tensor([0, count], dtype=torch.int64))
-    host[words_at:fixed_at].view(torch.int32).copy_(plane.exceptions.view(torch.int32).cpu())
-    host[fixed_at:].copy_(fixed.cpu())
-    staged = host.to(device)
-    return (
-        staged[fixed_at:].view(plane.fixed.shape),
-        staged[words_at:fixed_at].view(torch.uint32),
-        staged[:words_at].view(torch.int64),
-    )
+    NVFP4 fixed stream as int32 units), so one copy carries what would otherwise be three."""
+    host = torch.empty(_plane_layout(plane)[2], dtype=torch.uint8)
+    _fill_staging(host, plane)
+    return _staged_views(host.to(device), plane)
 
 
 __all__ = [

@@ -113,7 +113,7 @@ def log_decoded(decoder: PlaneDecoder, family: str) -> None:
             decoder.partial,
             decoder.decoded_bytes / 1e6,
             decoder.seconds,
-            f" ({decoder.copy_seconds:.3f} s of it copying the planes to the device)" if decoder.copy_seconds else "",
+            f" ({decoder.copy_seconds:.3f} s of it staging the planes for the device)" if decoder.copy_seconds else "",
         )
 
 
