@@ -3,9 +3,10 @@
 One dispatcher for the ``csf`` load format's weight stream, picked by the device the model's
 parameters live on:
 
-* CUDA: the compressed streams (fixed bytes and exception words) are copied to the device, checked
-  there (``codec.validate_plane``: the same checks and messages as on the CPU) and decoded by the
-  Triton kernel (``triton_decode``) into a device tensor. The decoded planes never exist in host
+* CUDA: the compressed streams (fixed bytes and exception words) are checked where they arrive
+  (``codec.validate_plane``'s checks and messages: on the host for a plane streamed from a file),
+  cross to the device in one queued copy from a pinned staging ring (``StagingRing``) and are
+  decoded by the Triton kernel (``triton_decode``) into a device tensor. The decoded planes never exist in host
   memory; what crosses PCIe is the compressed payload.
 * CPU (and anything else): the plain-torch codec on the host, optionally only a tensor-parallel
   rank's region of the plane (``codec.decode_region``).
