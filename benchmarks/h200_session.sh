@@ -26,13 +26,19 @@
 #   x: speculative decoding on the portable model (gpu_session.py --only spec: no speculation, MTP, MTP
 #      with the concurrency ladder, DFlash; fp16, CUDA graphs) against transformers and each other
 #      (SPEC_RUNS: gpu_session.py's --spec-runs); then, with SM70_K set, part w's tests.
-#   k: issue 12 item 6 for MTP: bench_mtp_trained.py (train the medium checkpoint's MTP head on the
-#      target's own text, then decode tokens/s and acceptance length at concurrency 1 / 4 / 8 / 64).
-#      Its stages are kept under /tmp/h200_session/mtp, so MTP_ARGS can spread them over calls on a
-#      warm machine, e.g. the target trained on the stdlib's source first (a random target's text is
-#      unlearnable: results/h200_bench_mtp_trained.txt), then the head, then the measurements:
-#        MTP_ARGS="$A --stop-after pretrain", then "$A --stop-after train", then "$A", with
-#        A="--pretrain-steps 100000 --pretrain-seconds 420 --train-steps 1500 --drafts 3 --no-untrained"
+#   k: issue 12 item 6: bench_mtp_trained.py (train the medium checkpoint's MTP head and a DFlash
+#      drafter on the target's own text, then decode tokens/s and acceptance length of plain, MTP and
+#      DFlash at concurrency 1 / 4 / 8 / 64, in one table). Its stages are kept under
+#      /tmp/h200_session/mtp, so MTP_ARGS can spread them over calls on a warm machine (a cold one
+#      starts over): the target trained on the stdlib's source first (a random target's text is
+#      unlearnable: results/h200_bench_mtp_trained.txt), then the head, then the drafter (its target
+#      features from the oracle, then --dflash-train-seconds of training), then the measurements:
+#        MTP_ARGS="$A --stop-after pretrain", "$A --stop-after train", "$A --stop-after dflash-train",
+#        then "$A" (again if the call ends before every setting is measured: finished settings are
+#        kept, and the last call prints the whole table), with
+#        A="--pretrain-steps 100000 --pretrain-seconds 420 --train-steps 1500 --drafts 3 --no-untrained
+#           --dflash-drafts 3 --dflash-train-seconds 140"
+#      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
 #
 # This checkout's sources come first on PYTHONPATH (the kit's plugin wheels give the entry points).

@@ -1,9 +1,10 @@
-"""Issue 12 item 6 for MTP: train the checkpoint's MTP head on text the target generates, then
-measure speculative decoding inside stock vLLM against no speculation, in one run.
+"""Issue 12 item 6: train the checkpoint's MTP head and a DFlash drafter on text the target
+generates, then measure both inside stock vLLM against no speculation, in one run (one table).
 
     python benchmarks/qwen38_plugin/bench_mtp_trained.py OUT_DIR [--config medium] [--dtype float16]
         [--sequences 256] [--new-tokens 192] [--train-steps 400] [--drafts 1,3] [--batches 1,4,8,64]
-        [--no-untrained]
+        [--no-untrained] [--methods mtp,dflash] [--dflash-drafts 3] [--dflash-layers 1]
+        [--dflash-train-seconds 140] [--dflash-lr 1e-3] [--dflash-batch 8] [--dflash-blocks 16]
     python benchmarks/qwen38_plugin/bench_mtp_trained.py OUT_DIR --dry-run     # the same on CPU, tiny
         (--dry-run sets CPU sizes for every option not given: `--dry-run --pretrain-steps 400
         --train-steps 300` trains for real on the CPU)
@@ -28,20 +29,44 @@ measure speculative decoding inside stock vLLM against no speculation, in one ru
    the streams at p and token p + 1 (cross entropy, AdamW), one sequence per step; the loss and the
    head's top-1 agreement with the target on held-out sequences are printed before and after.
    The trained ``mtp.*`` tensors go into a copy of the checkpoint under their on-disk names.
-3. ``measure`` (a vLLM child per setting, vLLM's defaults: V2 runner and CUDA graphs on a GPU): on
-   new random prompts, decode tokens/s at each batch size (concurrency) without speculation and with
-   MTP at each ``--drafts`` count, the head before and after training; the acceptance length (1 +
-   accepted drafts per verify step, from vLLM's spec-decode counters) and the speed-up against no
-   speculation. Targets (issue 12): acceptance length >= 2.5 and >= 1.8x at concurrency 1.
+   Skipped without ``mtp`` in ``--methods``.
+3. ``dflash-train`` (this process, plain torch on the GPU; without ``dflash`` in ``--methods``,
+   skipped): a DFlash drafter for the target (`dflash_config_for`: ``--dflash-layers`` causal
+   Qwen3 layers at the target's width, ``target_layer_ids`` the target's first, middle and last
+   layers, ``hc_mean``, mask token ``<|fim_pad|>``, block ``--dflash-drafts`` + 1) is trained in
+   `dflash2.drafter_reference` (stock vLLM's ``DFlashQwen3ForCausalLM`` in plain torch; the test
+   tests/dflash2/test_drafter_reference.py holds it to vLLM's drafts). The target's features (the
+   ``hc_mean`` of its residual streams after those layers) come from the plain-torch oracle, no
+   gradient; the target's embedding and lm_head are shared and frozen. Teacher-forced: each step
+   takes ``--dflash-batch`` sequences and ``--dflash-blocks`` random anchors in each one's generated
+   text; block = the anchor's token and mask tokens after it, seeing the features before the anchor;
+   every block of a sequence runs in one forward under one attention mask; cross entropy on the
+   drafts (draft k weighted 0.8 ** (k - 1)), AdamW, warm-up then cosine, bf16 autocast on CUDA, until
+   ``--dflash-train-steps`` or ``--dflash-train-seconds``. Before and after: held-out loss, top-1
+   agreement with the target per draft position over every anchor of the held-out sequences, and
+   the acceptance length greedy verification would give there (1 + the mean run of correct leading
+   drafts): the reference's prediction of what vLLM measures. The drafter directory (config.json,
+   model.safetensors, train_report.json) is written beside and renamed into place.
+4. ``measure`` (a vLLM child per setting, vLLM's defaults but prefix caching, which is off for every
+   setting: V2 runner and CUDA graphs on a GPU): on new random prompts, decode tokens/s at each batch
+   size (concurrency) without speculation, with MTP at each ``--drafts`` count (the head before and
+   after training) and with the trained DFlash drafter (``dflash{K}-trained``, ``--dflash-drafts`` K;
+   the portable model refuses DFlash beside prefix caching, so all settings run without it and the
+   ratios compare speculation alone); the acceptance length (1 + accepted drafts per verify step, from vLLM's
+   spec-decode counters) and the speed-up against no speculation. Targets (issue 12): acceptance
+   length >= 2.5 and >= 1.8x at concurrency 1.
 
 Each stage's result is kept under ``--work`` (the pretrained and the head-trained checkpoints, the
 generated text, each setting's measurement), and a later run with the same arguments on the same
 machine skips what is there, so the stages can be spread over several device calls
-(``--stop-after pretrain|generate|train``).
+(``--stop-after pretrain|generate|train|dflash-train``; a measure call cut short keeps the settings
+it finished, and the next call with the same arguments measures the rest and prints the whole table).
 
 Results: OUT_DIR/bench_mtp_trained.json and a table. ``--dry-run`` proves the script on CPU (the
 tiny config in float32, a few sequences and steps, batches 1 and 2; vLLM's CPU runner wants prefix
-caching off with speculation): its numbers are not measurements.
+caching off with speculation; the DFlash drafter gets one layer there, since vLLM's V1 runner, the
+CPU's, wants all drafter layers in one KV-cache group, which a hybrid target's grouping gives only
+one layer; the V2 runner takes several): its numbers are not measurements.
 """
 
 from __future__ import annotations
@@ -245,15 +270,21 @@ def write_pretrained(source: Path, net: Any, destination: Path, report: dict[str
 
 
 def engine_kwargs(args: argparse.Namespace, drafts: int) -> dict[str, Any]:
+    """vLLM's arguments; with ``drafts``, MTP speculation, or DFlash with ``args.drafter``."""
     kwargs: dict[str, Any] = {
         "model": args.model, "dtype": args.dtype, "seed": 0, "skip_tokenizer_init": True,
         "max_model_len": PROMPT_LEN + args.new_tokens + 16, "max_num_seqs": max(args.batches),
     }  # fmt: skip
-    if args.cpu:
-        kwargs["enable_prefix_caching"] = False  # vLLM's CPU runner, with speculation
-    else:
+    # Prefix caching off for every setting: the portable model refuses DFlash beside it (its QSA
+    # block keys would get no hits), vLLM's CPU runner wants it off with speculation, and it costs
+    # this model's host side per KV-cache group, so plain and MTP with it on would be slowed
+    # against DFlash by a cost that has nothing to do with speculation (the prompts share nothing).
+    kwargs["enable_prefix_caching"] = False
+    if not args.cpu:
         kwargs["gpu_memory_utilization"] = 0.5
-    if drafts:
+    if drafts and args.drafter:
+        kwargs["speculative_config"] = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": drafts}
+    elif drafts:
         kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": drafts}
     return kwargs
 
@@ -314,6 +345,8 @@ def run_child(kind: str, args: argparse.Namespace, model: Path, tag: str, timeou
            "--batches", ",".join(map(str, args.batches)), "--new-tokens", str(args.new_tokens),
            "--sequences", str(args.sequences), "--repeats", str(args.repeats),
            "--drafts-one", str(extra.get("drafts", 0))]  # fmt: skip
+    if extra.get("drafter"):
+        cmd += ["--drafter", str(extra["drafter"])]
     if args.cpu:
         cmd.append("--cpu")
     if args.corpus:
@@ -464,6 +497,205 @@ def write_head(source: Path, head: Any, destination: Path, report: dict[str, Any
 
 
 # ---------------------------------------------------------------------------------------------
+# The DFlash drafter (stage 3)
+# ---------------------------------------------------------------------------------------------
+
+# The mask token of the drafter's query slots: the pad token's embedding row is zero (a mask slot
+# would get zero queries, so its attention could not depend on position); this special token's is not.
+DFLASH_MASK_TOKEN = "<|fim_pad|>"
+# Cross entropy weight of draft k (1-based): 0.8 ** (k - 1), since draft k only counts when drafts
+# 1 .. k - 1 were accepted.
+DFLASH_POSITION_DECAY = 0.8
+
+
+def dflash_config_for(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    """The drafter's config.json for the target ``model``: ``--dflash-layers`` causal Qwen3 layers at
+    the target's width, reading the target's features after its first, middle and last layers."""
+    from tokenizers import Tokenizer
+
+    from dflash2.tiny import drafter_config
+
+    target_config = json.loads((model / "config.json").read_text())
+    text = target_config.get("text_config", target_config)
+    layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
+    mask = Tokenizer.from_file(str(model / "tokenizer.json")).token_to_id(DFLASH_MASK_TOKEN)
+    if mask is None:
+        raise RuntimeError(f"dflash_config_for: {model}'s tokenizer has no {DFLASH_MASK_TOKEN} token")
+    config = drafter_config(
+        target_config,
+        num_hidden_layers=args.dflash_layers,
+        target_layer_ids=sorted({0, layers // 2, layers - 1}),
+        block_size=args.dflash_drafts + 1,  # the bonus token and the drafts: what vLLM runs per request
+        causal=True,  # drafts then never see later ones, so any verify width keeps the same first drafts
+        extra_dflash_config={"target_feature_reduction": "hc_mean", "mask_token_id": mask},
+    )
+    head_dim = 64 if hidden <= 256 else 128
+    heads = max(2, hidden // head_dim)
+    config.update(num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=head_dim,
+                  intermediate_size=3 * hidden, dtype=args.dtype)  # fmt: skip
+    return config
+
+
+def train_dflash(
+    args: argparse.Namespace, model: Path, sequences: list[list[int]], device: str, destination: Path
+) -> dict[str, Any]:
+    """Stage 3: a DFlash drafter trained on the target's own text, written with its report to
+    ``destination`` (a directory vLLM loads as ``DFlashDraftModel``)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+
+    from dflash2.drafter_reference import (
+        DFlashDrafterReference,
+        anchor_blocks,
+        aux_layer_indices,
+        block_attention_mask,
+        expected_acceptance_length,
+        qwen4exp_aux_features,
+    )
+    from qwen38_plugin.model import Qwen4ExpCore, iter_safetensors
+
+    config = dflash_config_for(args, model)
+    core = Qwen4ExpCore(AutoConfig.from_pretrained(model))
+    core.load_checkpoint_tensors(iter_safetensors(model))
+    core = core.to(device=device, dtype=torch.float32).eval()
+    # the target's embedding and lm_head, shared with the drafter as vLLM shares them, and frozen
+    embed, lm_head = core.model.embed_tokens.weight.detach(), core.lm_head.weight.detach()
+    indices = aux_layer_indices(config)
+    held_out = max(2, len(sequences) // 8)
+    start = time.perf_counter()
+    with torch.no_grad():
+        tokens = [torch.tensor(seq, device=device) for seq in sequences]
+        features = []
+        for first in range(0, len(tokens), 16):  # 16 sequences a forward: the oracle's step overheads shared
+            features += qwen4exp_aux_features(core, tokens[first : first + 16], indices)
+    del core
+    features_s = time.perf_counter() - start
+    train_ids, eval_ids = tokens[held_out:], tokens[:held_out]
+    train_features, eval_features = features[held_out:], features[:held_out]
+
+    drafts = args.dflash_drafts
+    block = drafts + 1
+    length = len(sequences[0])
+    if any(len(seq) != length for seq in sequences):
+        raise RuntimeError("train_dflash: the generated sequences differ in length")
+    # anchors (the bonus token's position) in the generated text, every block inside the sequence
+    low, high = PROMPT_LEN, length - drafts
+    if high <= low:
+        raise RuntimeError(f"train_dflash: sequences of {length} tokens leave no room for {drafts} drafts")
+    drafter = DFlashDrafterReference(config).to(device)
+    gen = torch.Generator().manual_seed(0)
+    drafter.reset_parameters(gen)
+    g = drafter.geometry
+    weights = torch.tensor([DFLASH_POSITION_DECAY**k for k in range(drafts)], device=device)
+    weights = weights / weights.sum()
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+    )
+
+    def blocks_forward(ids: list[Any], feats: list[Any], anchors: list[list[int]]) -> tuple[Any, Any]:
+        """Every anchor's block of each sequence in one forward; logits ``[B, blocks, drafts, V]``
+        and labels ``[B, blocks, drafts]``."""
+        built = [anchor_blocks(t, a, block, g.mask_token_id) for t, a in zip(ids, anchors, strict=True)]
+        query_ids = torch.stack([b[0] for b in built])
+        query_positions = torch.stack([b[1] for b in built])
+        labels = torch.stack([b[2] for b in built])
+        attend = torch.stack([block_attention_mask(a, length, block, all(g.causal), device) for a in anchors])
+        positions = torch.arange(length, device=device).expand(len(ids), length)
+        with autocast:
+            hidden = drafter(
+                drafter.context_states(torch.stack(feats)), positions, F.embedding(query_ids, embed),
+                query_positions, attend,
+            )  # fmt: skip
+            rows = hidden.unflatten(1, (-1, block))[:, :, 1:]  # the bonus row drafts nothing
+            logits = rows @ lm_head.to(rows.dtype).t()
+        return logits.float(), labels
+
+    def evaluate_dflash() -> dict[str, Any]:
+        """Held-out loss, top-1 agreement with the target per draft position and the acceptance
+        length greedy verification would give, over every anchor of the held-out sequences."""
+        losses, correct = [], []
+        every = list(range(low, high))
+        with torch.no_grad():
+            for ids, feats in zip(eval_ids, eval_features, strict=True):
+                logits, labels = blocks_forward([ids], [feats], [every])
+                losses.append(float(F.cross_entropy(logits.flatten(0, 2), labels.flatten())))
+                correct.append((logits.argmax(-1) == labels)[0])
+        hits = torch.cat(correct)
+        top1 = [round(float(x), 4) for x in hits.float().mean(0)]
+        return {"loss": sum(losses) / len(losses), "top1_by_position": top1,
+                "expected_acceptance_length": expected_acceptance_length(hits)}  # fmt: skip
+
+    shown = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "intermediate_size", "dflash_config")  # fmt: skip
+    report: dict[str, Any] = {"config": {k: config[k] for k in shown},
+                              "drafts": drafts, "train_sequences": len(train_ids), "eval_sequences": len(eval_ids),
+                              "target_features_s": round(features_s, 1), "max_steps": args.dflash_train_steps,
+                              "max_seconds": args.dflash_train_seconds, "lr": args.dflash_lr,
+                              "batch": args.dflash_batch, "blocks_per_sequence": args.dflash_blocks,
+                              "before": evaluate_dflash()}  # fmt: skip
+    print(f"dflash: before {report['before']}", flush=True)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.dflash_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    budget = args.dflash_train_seconds or float("inf")
+    warmup = 0.05  # of the run, then cosine down to a tenth (as stage 0)
+
+    def lr_scale(done: float) -> float:
+        if done < warmup:
+            return max(done / warmup, 0.01)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (done - warmup) / (1 - warmup))))
+
+    start = time.perf_counter()
+    step, printed, losses = 0, 0.0, []
+    # the run ends at --dflash-train-steps or --dflash-train-seconds, whichever comes first
+    while (done := max(step / args.dflash_train_steps, (time.perf_counter() - start) / budget)) < 1.0:
+        for group in optimizer.param_groups:
+            group["lr"] = args.dflash_lr * lr_scale(done)
+        picked = torch.randint(0, len(train_ids), (args.dflash_batch,), generator=gen).tolist()
+        anchors = [torch.randint(low, high, (args.dflash_blocks,), generator=gen).tolist() for _ in picked]
+        logits, labels = blocks_forward([train_ids[i] for i in picked], [train_features[i] for i in picked], anchors)
+        per_draft = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(-1, drafts)
+        loss = (per_draft.mean(0) * weights).sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        if done - printed >= 0.1:
+            printed = done
+            print(f"dflash: step {step} ({done:.0%} of the run) loss {sum(losses[-20:]) / len(losses[-20:]):.3f}",
+                  flush=True)  # fmt: skip
+    report["steps_run"] = step
+    report["train_s"] = round(time.perf_counter() - start, 1)
+    report["after"] = evaluate_dflash()
+    print(f"dflash: after {report['after']} ({step} steps, {report['train_s']} s)", flush=True)
+    report["drafter"] = str(destination)
+    write_drafter(drafter, config, destination, report)
+    return report
+
+
+def write_drafter(drafter: Any, config: dict[str, Any], destination: Path, report: dict[str, Any]) -> None:
+    """The drafter's directory (config.json, model.safetensors in ``config["dtype"]``, the report),
+    written beside and renamed into place."""
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, config["dtype"])
+    staging = destination.with_name(destination.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in drafter.state_dict().items()}
+    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (staging / "train_report.json").write_text(json.dumps(report, indent=2))
+    shutil.rmtree(destination, ignore_errors=True)
+    staging.rename(destination)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -478,6 +710,13 @@ def print_table(report: dict[str, Any]) -> None:
             ratio = f"{row['decode_tok_s'] / base:9.2f}" if base else f"{'':>9}"
             accept = f"{row['acceptance_length']:11.2f}" if "acceptance_length" in row else f"{'':>11}"
             print(f"{setting:<22}{batch:>6}{row['decode_tok_s']:10.1f}{ratio}{accept}")
+    if "dflash_train" in report:
+        # the reference's teacher-forced prediction on held-out text, to set beside vLLM's measurement
+        after = report["dflash_train"]["after"]
+        print(
+            f"dflash{report['dflash_train']['drafts']}-trained: held-out acceptance length predicted by the "
+            f"reference {after['expected_acceptance_length']:.2f} (top-1 by draft position {after['top1_by_position']})"
+        )
 
 
 def main() -> None:
@@ -505,15 +744,29 @@ def main() -> None:
     parser.add_argument("--pretrain-batch", type=int, default=16)
     parser.add_argument("--pretrain-seq-len", type=int, default=256)
     parser.add_argument("--corpus-tokens", type=int, default=4_000_000, help="of the stdlib corpus (stage 0)")
-    parser.add_argument("--stop-after", choices=("pretrain", "generate", "train"), help="stop after this stage")
+    parser.add_argument("--methods", default="mtp,dflash", help="speculative methods to train and measure")
+    parser.add_argument("--dflash-drafts", type=int, default=3, help="DFlash drafts per step (block = drafts + 1)")
+    parser.add_argument("--dflash-layers", type=int, default=1, help="DFlash drafter layers")
+    parser.add_argument("--dflash-train-steps", type=int, default=20_000)
+    parser.add_argument("--dflash-train-seconds", type=int, default=140, help="stage 3 ends after this long (0: none)")
+    parser.add_argument("--dflash-lr", type=float, default=1e-3)
+    parser.add_argument("--dflash-batch", type=int, default=8, help="sequences per DFlash training step")
+    parser.add_argument("--dflash-blocks", type=int, default=16, help="anchor blocks per sequence per step")
+    parser.add_argument(
+        "--stop-after", choices=("pretrain", "generate", "train", "dflash-train"), help="stop after this stage"
+    )
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
     parser.add_argument("--dry-run", action="store_true", help="on CPU: tiny, float32, a few sequences and steps")
     parser.add_argument("--child", choices=("generate", "measure"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--drafts-one", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--drafter", help=argparse.SUPPRESS)
     parser.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batches = [int(b) for b in str(args.batches).split(",") if b]
+    methods = {m for m in str(args.methods).split(",") if m}
+    if methods - {"mtp", "dflash"} or not methods:
+        parser.error(f"--methods: {args.methods!r}: a comma-separated subset of mtp,dflash")
     if args.child:
         args.drafts = args.drafts_one
         result = child_generate(args) if args.child == "generate" else child_measure(args)
@@ -524,7 +777,8 @@ def main() -> None:
         given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
         small = {"config": "tiny", "dtype": "float32", "sequences": 6, "new_tokens": 24, "train_steps": 12,
                  "batches": [1, 2], "repeats": 1, "drafts": "2", "pretrain_steps": min(args.pretrain_steps, 4),
-                 "pretrain_batch": 2, "pretrain_seq_len": 64, "corpus_tokens": 20_000}  # fmt: skip
+                 "pretrain_batch": 2, "pretrain_seq_len": 64, "corpus_tokens": 20_000, "dflash_train_steps": 12,
+                 "dflash_train_seconds": 0, "dflash_batch": 2, "dflash_blocks": 8}  # fmt: skip
         for name, value in small.items():
             if f"--{name.replace('_', '-')}" not in given:
                 setattr(args, name, value)
@@ -568,25 +822,48 @@ def main() -> None:
     if args.stop_after == "generate":
         return
     trained = args.work / f"{tag}-trained-{args.train_steps}-lr{args.lr}"
-    if (trained / "train_report.json").exists():
-        report["train"] = json.loads((trained / "train_report.json").read_text())
-    else:
-        report["train"] = train(args, model, generated["sequences"], device, trained)
-    save()
+    if "mtp" in methods:
+        if (trained / "train_report.json").exists():
+            report["train"] = json.loads((trained / "train_report.json").read_text())
+        else:
+            report["train"] = train(args, model, generated["sequences"], device, trained)
+        save()
     if args.stop_after == "train":
         return
-    settings = [("plain", model, 0)]
-    for drafts in [int(d) for d in str(args.drafts).split(",") if d]:
-        if not args.no_untrained:
-            settings.append((f"mtp{drafts}-untrained", model, drafts))
-        settings.append((f"mtp{drafts}-trained", trained, drafts))
-    for name, checkpoint, drafts in settings:
+    # every setting that changes the drafter is in its name
+    drafter = args.work / (
+        f"{tag}-dflash{args.dflash_drafts}-l{args.dflash_layers}-{args.dflash_train_steps}-{args.dflash_train_seconds}s"
+        f"-lr{args.dflash_lr}-b{args.dflash_batch}x{args.dflash_blocks}"
+    )
+    if "dflash" in methods:
+        if (drafter / "train_report.json").exists():
+            report["dflash_train"] = json.loads((drafter / "train_report.json").read_text())
+        else:
+            report["dflash_train"] = train_dflash(args, model, generated["sequences"], device, drafter)
+        save()
+    if args.stop_after == "dflash-train":
+        return
+    # (name, target checkpoint, drafts, DFlash drafter or None)
+    settings: list[tuple[str, Path, int, Path | None]] = [("plain", model, 0, None)]
+    if "mtp" in methods:
+        for drafts in [int(d) for d in str(args.drafts).split(",") if d]:
+            if not args.no_untrained:
+                settings.append((f"mtp{drafts}-untrained", model, drafts, None))
+            settings.append((f"mtp{drafts}-trained", trained, drafts, None))
+    if "dflash" in methods:
+        settings.append((f"dflash{args.dflash_drafts}-trained", model, args.dflash_drafts, drafter))
+    for name, checkpoint, drafts, dflash in settings:
         batches = ",".join(map(str, args.batches))
-        measured = args.work / f"measure-{checkpoint.name}-d{drafts}-b{batches}-n{args.new_tokens}-r{args.repeats}.json"
+        measured = args.work / (
+            f"measure-{checkpoint.name}{f'-{dflash.name}' if dflash else ''}-d{drafts}-b{batches}"
+            f"-n{args.new_tokens}-r{args.repeats}.json"
+        )
         if measured.exists():
             report["measure"][name] = json.loads(measured.read_text())
         else:
-            report["measure"][name] = run_child("measure", args, checkpoint, name, args.timeout, drafts=drafts)
+            report["measure"][name] = run_child(
+                "measure", args, checkpoint, name, args.timeout, drafts=drafts, drafter=dflash
+            )
             if "error" not in report["measure"][name]:
                 measured.write_text(json.dumps(report["measure"][name]))
         save()

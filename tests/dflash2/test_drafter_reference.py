@@ -1,0 +1,214 @@
+"""`dflash2.drafter_reference` drafts exactly what stock vLLM's DFlash drafter drafts.
+
+One stock vLLM engine on CPU (about 40 s on 2 cores): the tiny Qwen4Exp target in fp32 and a random
+one-layer causal DFlash drafter for it (``target_layer_ids`` [0, 2], ``hc_mean``; written from the
+reference's own parameters, so both run the same weights; vLLM's V1 runner, the CPU's, wants all
+drafter layers in one KV-cache group, which a hybrid target's grouping gives only one layer), 3
+drafts, three greedy requests of different prompt lengths together. Every step's drafts are taken
+from stock's scheduler as it schedules them for verification (``scheduled_spec_decode_tokens``),
+with the request's length then.
+The reference, fed the plain-torch oracle's ``hc_mean`` features of the same tokens, must propose
+the same draft tokens at every step (most of them by a clear logit margin; a draft may differ only
+where the reference's top two logits tie within fp32 noise).
+
+It can fail: the same comparison with the reference misreading a layer id (no ``+ 1``) or placing the
+query block one position late loses many drafts (checked below, so a test that could not tell them
+apart would fail too).
+
+Run as a script (``python THIS MODEL DRAFTER PROMPTS_JSON MAX_TOKENS``) it is the engine side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve()
+LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
+DRAFTS = 3
+MAX_TOKENS = 12
+PROMPT_LENGTHS = (5, 23, 41)
+MASK_TOKEN_ID = 248063  # <|fim_pad|> of the Qwen3.6 tokenizer
+
+
+def engine_main() -> None:
+    model, drafter, prompts_json, max_tokens = sys.argv[1:5]
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process, to record it
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=model,
+        seed=0,
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=False,  # with speculation on CPU, and beside a DFlash drafter
+        async_scheduling=False,  # the scheduler then holds the real draft tokens, not placeholders
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        max_num_seqs=8,
+        speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": DRAFTS},
+    )
+    prompts = json.loads(prompts_json)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule = scheduler.schedule
+    drafts: list[dict[str, Any]] = []
+
+    def recording_schedule(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        for req_id, tokens in output.scheduled_spec_decode_tokens.items():
+            request = scheduler.requests[req_id]
+            which = prompts.index(list(request.prompt_token_ids))
+            drafts.append({"request": which, "length": request.num_tokens, "drafts": list(tokens)})
+        return output
+
+    scheduler.schedule = recording_schedule
+    params = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    tokens = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
+    print(json.dumps({"tokens": tokens, "drafts": drafts}))
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    from safetensors.torch import save_file
+
+    from dflash2.drafter_reference import DFlashDrafterReference
+    from dflash2.tiny import drafter_config
+
+    target = tiny_checkpoint("qwen4_exp_text", dtype="float32")
+    config = drafter_config(
+        json.loads((target / "config.json").read_text()),
+        num_hidden_layers=1,
+        target_layer_ids=[0, 2],
+        block_size=DRAFTS + 1,
+        causal=True,
+        # the pad token's embedding row is zero, so mask slots would get zero queries (uniform
+        # attention, blind to positions): an ordinary special token's row is not
+        extra_dflash_config={"target_feature_reduction": "hc_mean", "mask_token_id": MASK_TOKEN_ID},
+    )
+    config.update(dtype="float32", max_position_embeddings=256)
+    drafter = DFlashDrafterReference(config)
+    drafter.reset_parameters(torch.Generator().manual_seed(0), std=0.1)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.fill_(2.0)  # peaked attention: the drafts then depend visibly on where each key sits
+    path = tmp_path_factory.mktemp("drafter_reference") / "drafter"
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 240_000, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    cmd = ["flock", LOCK, sys.executable, str(HERE), str(target), str(path), json.dumps(prompts), str(MAX_TOKENS)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(HERE.parents[2])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')][-1])
+    return target, drafter.eval(), result
+
+
+def reference_drafts(
+    target: Path, drafter: Any, result: dict[str, Any], *, layer_shift: int = 1, position_shift: int = 0,
+    extra_context: int = 0,
+) -> tuple[list[list[int]], list[float]]:  # fmt: skip
+    """The reference's drafts at each recorded step, and the margin of each draft's logit over the
+    runner-up; ``layer_shift``, ``position_shift`` and ``extra_context`` make deliberate mistakes."""
+    from transformers import AutoConfig
+
+    from dflash2.drafter_reference import block_attention_mask, qwen4exp_aux_features
+    from qwen38_plugin.model import Qwen4ExpCore, iter_safetensors
+
+    core = Qwen4ExpCore(AutoConfig.from_pretrained(target))
+    core.load_checkpoint_tensors(iter_safetensors(target))
+    core.eval()
+    indices = sorted(i + layer_shift for i in drafter.config["dflash_config"]["target_layer_ids"])
+    embed, lm_head = core.model.embed_tokens.weight, core.lm_head.weight
+    mask_id = drafter.geometry.mask_token_id
+    drafts, margins = [], []
+    with torch.no_grad():
+        features = qwen4exp_aux_features(core, [torch.tensor(t) for t in result["tokens"]], indices)
+        for step in result["drafts"]:
+            tokens = torch.tensor(result["tokens"][step["request"]])
+            a = step["length"] - 1  # the bonus token's position
+            k = len(step["drafts"])
+            block = torch.tensor([int(tokens[a])] + [mask_id] * k)
+            positions = torch.arange(a, a + 1 + k) + position_shift
+            c = a + extra_context  # context rows: positions 0 .. c - 1
+            hidden = drafter(
+                drafter.context_states(features[step["request"]][:c]).unsqueeze(0),
+                torch.arange(c).unsqueeze(0),
+                torch.nn.functional.embedding(block, embed).unsqueeze(0),
+                positions.unsqueeze(0),
+                block_attention_mask([c], c, 1 + k, causal=True).unsqueeze(0),
+            )
+            logits = hidden[0, 1:] @ lm_head.t()
+            top = logits.topk(2, dim=-1)
+            drafts.append(top.indices[:, 0].tolist())
+            margins.extend((top.values[:, 0] - top.values[:, 1]).tolist())
+    return drafts, margins
+
+
+def agreement(result: dict[str, Any], drafts: list[list[int]]) -> float:
+    pairs = [
+        (d, r)
+        for step, ref in zip(result["drafts"], drafts, strict=True)
+        for d, r in zip(step["drafts"], ref, strict=False)
+    ]
+    return sum(d == r for d, r in pairs) / len(pairs)
+
+
+def test_reference_drafts_what_vllm_drafts(served: tuple) -> None:
+    target, drafter, result = served
+    steps = result["drafts"]
+    assert len({s["request"] for s in steps}) == len(PROMPT_LENGTHS)
+    assert sum(len(s["drafts"]) for s in steps) >= 60, steps  # enough drafts to mean something
+    drafts, margins = reference_drafts(target, drafter, result)
+    vllm = [d for s in steps for d in s["drafts"]]
+    ours = [d for s, ref in zip(steps, drafts, strict=True) for d in ref[: len(s["drafts"])]]
+    # equal, but where the reference's top two logits tie within fp32 noise (random weights, 248k tokens)
+    mismatches = [(i, m) for i, (d, r, m) in enumerate(zip(vllm, ours, margins, strict=True)) if d != r]
+    assert all(m < 1e-4 for _, m in mismatches), mismatches
+    assert len(mismatches) <= 2, mismatches
+    assert sum(m > 1e-3 for m in margins) >= 0.9 * len(margins)  # most argmaxes are clear: not luck
+    # the convenience path (one request's step) is the same computation
+    from transformers import AutoConfig
+
+    from dflash2.drafter_reference import aux_layer_indices, qwen4exp_aux_features
+    from qwen38_plugin.model import Qwen4ExpCore, iter_safetensors
+
+    core = Qwen4ExpCore(AutoConfig.from_pretrained(target))
+    core.load_checkpoint_tensors(iter_safetensors(target))
+    step = steps[-1]
+    tokens = result["tokens"][step["request"]][: step["length"]]
+    with torch.no_grad():
+        # one sequence alone, not in a batch of three: the same features
+        (features,) = qwen4exp_aux_features(core.eval(), [torch.tensor(tokens)], aux_layer_indices(drafter.config))
+        logits = drafter.draft_logits(
+            features, tokens, len(step["drafts"]), core.model.embed_tokens.weight, core.lm_head.weight
+        )
+    assert logits.argmax(-1).tolist() == step["drafts"]
+
+
+@pytest.mark.parametrize(
+    "mistake",
+    [{"layer_shift": 0}, {"position_shift": 1}],
+    ids=["layer-id-without-plus-one", "block-one-position-late"],
+)
+def test_a_wrong_mapping_loses_the_drafts(served: tuple, mistake: dict[str, Any]) -> None:
+    target, drafter, result = served
+    drafts, _ = reference_drafts(target, drafter, result, **mistake)
+    assert agreement(result, drafts) < 0.75, mistake
+
+
+if __name__ == "__main__":
+    engine_main()
