@@ -72,13 +72,16 @@ one layer; the V2 runner takes several): its numbers are not measurements.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import inspect
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +163,7 @@ def corpus_tokens(work: Path, tokenizer_dir: Path, max_tokens: int) -> Path:
 
 def pretrain(args: argparse.Namespace, model: Path, corpus: Path, device: str) -> tuple[Path, dict[str, Any]]:
     """Stage 0: the target trained as a causal LM on the corpus; its checkpoint and report."""
-    import math
-
     import torch
-    from transformers import Qwen4ExpForCausalLM
 
     # every setting that changes the result is in the name, so a later run reuses only its own result
     destination = args.work / (
@@ -174,6 +174,38 @@ def pretrain(args: argparse.Namespace, model: Path, corpus: Path, device: str) -
     if report_file.exists():
         return destination, json.loads(report_file.read_text())
     train_ids, held_out = torch.load(corpus)
+    with reference_gated_delta_rule(device):
+        return _pretrain(args, model, train_ids, held_out, device, destination)
+
+
+@contextlib.contextmanager
+def reference_gated_delta_rule(device: str) -> Iterator[None]:
+    """transformers' Qwen4Exp with its own torch chunked Gated DeltaNet instead of fla's on a GPU.
+
+    fla's chunked GDN backward refuses Triton 3.4-3.7.0 on Hopper (wrong gradients there, fla issue
+    640), and the H200's image has Triton 3.6; the forward is fine, training is not. transformers
+    binds fla's function when its modeling module is imported, so the module global is swapped for
+    the torch function it wraps for the length of the training, then put back."""
+    import transformers.models.qwen4_exp.modeling_qwen4_exp as hf_qwen4
+
+    name = "torch_chunk_gated_delta_rule"
+    bound = getattr(hf_qwen4, name)
+    if device == "cuda":
+        setattr(hf_qwen4, name, inspect.unwrap(bound))
+    try:
+        yield
+    finally:
+        setattr(hf_qwen4, name, bound)
+
+
+def _pretrain(
+    args: argparse.Namespace, model: Path, train_ids: Any, held_out: Any, device: str, destination: Path
+) -> tuple[Path, dict[str, Any]]:
+    import math
+
+    import torch
+    from transformers import Qwen4ExpForCausalLM
+
     net = Qwen4ExpForCausalLM.from_pretrained(str(model), dtype=torch.float32).to(device).train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=args.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = 0.05  # of the run, then cosine down to a tenth
