@@ -13,6 +13,9 @@ the CPU standing in for the GPU). Checks:
   fixed stream in one buffer; ``StagingRing``: the same through a reused, on CUDA pinned, ring)
   decodes to the torch codec's bytes, with and without exception words, through the one-pass
   kernel and the fallback, for both codecs, the ring wrapping and a plane larger than it;
+* planes taken in groups (a window of planes held back, then checked, copied and decoded per
+  shape at once) come out in stream order with the same bytes, in fewer launches than planes,
+  and of two corrupt planes the first in stream order is named;
 * every corrupt-input case fails with the same ``CsfLoadError`` message on both paths, naming the
   file (or shard) and tensor;
 * an out-of-memory error while decoding names the tensor and the bytes it needed (on cpu the
@@ -191,6 +194,45 @@ def staged_planes(device: torch.device) -> None:
         check(torch.equal(out.cpu(), expected), f"{label}: decoded bytes differ")
 
 
+def batched_windows(device: torch.device, kernel: str) -> None:
+    """The device decoder takes planes in groups (``PlaneWindow``, ``decode_many``): a stream of
+    many planes of two shapes between ordinary tensors, windows small enough to flush mid-stream
+    on the plane count and on the held bytes, comes out in the host path's order with its bytes,
+    in fewer launches than planes; with two corrupt planes of different shapes, the error names
+    the first in stream order, as the host path's does."""
+    stream: Stream = []
+    for i in range(10):
+        rows, cols = (32, 16) if i % 3 else (16, 64)
+        stream += pair(f"model.layers.{i}.mlp.experts.{i}.gate_proj.weight_scale", scales(20 + i, rows, cols))
+        stream.append((f"model.layers.{i}.mlp.experts.{i}.gate_proj.weight", torch.randn(64, 8)))
+    shard_of = dict.fromkeys([n for n, _ in stream], "model-00001-of-00001.safetensors")
+    host = consume(decode_csf_stream(stream, shard_of, decoder=PlaneDecoder(torch.device("cpu"), "torch")))
+    # the second half of the stream in another shard: the window is emptied at the boundary
+    two_shards = {n: f"model-0000{1 + (k >= len(stream) // 2)}-of-00002.safetensors" for k, (n, _) in enumerate(stream)}
+    for planes, held, shards in ((4, 1 << 30, shard_of), (128, 3000, shard_of), (128, 1 << 30, shard_of),
+                                 (128, 1 << 30, two_shards)):  # fmt: skip
+        label = f"window {planes}/{held}, {len(set(shards.values()))} shard(s)"
+        decoder = PlaneDecoder(device, kernel, batch_planes=planes, batch_bytes=held)
+        check(decoder.batches, f"the device decoder ({decoder.kernel}) does not take planes in groups")
+        same(host, consume(decode_csf_stream(stream, shards, decoder=decoder)), device, label)
+        check(
+            decoder.planes == 10 and 2 <= decoder.launches < 10,
+            f"{label}: {decoder.planes} planes in {decoder.launches} launches",
+        )
+    bad = dict(stream)
+    for i in (4, 6):  # shapes (32, 16) and (16, 64): plane 4 comes first
+        name = f"model.layers.{i}.mlp.experts.{i}.gate_proj.weight_scale{NVFP4_CSF.fixed_suffix}"
+        fixed = bad[name].clone()
+        fixed[0, 1] = 250
+        bad[name] = fixed
+    corrupt = list(bad.items())
+    on_host = error_of(
+        lambda: consume(decode_csf_stream(corrupt, shard_of, decoder=PlaneDecoder(torch.device("cpu"), "torch")))
+    )
+    on_device = error_of(lambda: consume(decode_csf_stream(corrupt, shard_of, decoder=PlaneDecoder(device, kernel))))
+    check(on_host == on_device and "layers.4." in on_device, f"two bad planes: host {on_host!r}, device {on_device!r}")
+
+
 def main() -> int:
     device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
     kernel = "triton" if device.type == "cpu" else ""  # on cpu the Triton kernel stands in for the GPU's
@@ -211,6 +253,7 @@ def main() -> int:
         "NVFP4 stream",
     )
     staged_planes(device)
+    batched_windows(device, kernel)
     # A rank's extent: the host path decodes only that region, the device path the whole plane.
     region = ((16, 48), (2, 6))
     host_decoder, dev_decoder = host(), dev()

@@ -3,8 +3,9 @@
 ``decode_csf_stream`` turns a checkpoint's (name, tensor) stream with NVFP4-CSF pairs into the
 source checkpoint's stream (each pair decoded into its E4M3 ``<name>``); ``mxfp4_container_stream``
 reads an MXFP4-CSF container as the source MXFP4 checkpoint's stream. Each plane is decoded by a
-``device_decode.PlaneDecoder`` on the device the weights go to (the Triton kernel on CUDA, the
-torch codec on the host). ``preflight`` checks a checkpoint's files before any tensor is read.
+``device_decode.PlaneDecoder`` on the device the weights go to (the Triton kernel on CUDA, a
+window of planes at a time through ``PlaneWindow``, the stream's order kept; the torch codec on
+the host, plane by plane). ``preflight`` checks a checkpoint's files before any tensor is read.
 Every error is a ``CsfLoadError`` naming the file and tensor. ``csf_loader.vllm_loader`` plugs
 these into stock vLLM's loader.
 """
@@ -12,13 +13,13 @@ these into stock vLLM's loader.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, CsfFormatError, CsfPlane, nvfp4_plane_shape
-from csf_loader.device_decode import DeviceMemoryError, PlaneDecoder
+from csf_loader.device_decode import DeviceMemoryError, PlaneDecoder, PlaneJob
 from csf_loader.layout import Container, is_mxfp4_container, logical_2d, read_container, read_index
 from csf_loader.preflight import check_mxfp4_container, check_nvfp4_checkpoint
 from csf_loader.safetensors_io import TORCH_DTYPE, CheckpointError
@@ -58,6 +59,61 @@ def decode_plane(
         raise CsfLoadError(str(exc)) from None
 
 
+class PlaneWindow:
+    """A weight stream's order kept while its planes wait to be decoded in groups.
+
+    With a decoder that ``batches`` (the Triton kernel), a completed plane becomes a job and
+    the tensors after it are held back until ``batch_planes`` jobs are waiting or ``batch_bytes``
+    of tensors are held; then every job is decoded at once (``PlaneDecoder.decode_many``) and the
+    held entries come out in stream order. While no job waits, tensors pass straight through.
+    """
+
+    def __init__(self, decoder: PlaneDecoder) -> None:
+        self.decoder = decoder
+        self.entries: list[tuple[str, torch.Tensor | None, Callable[[torch.Tensor], torch.Tensor] | None]] = []
+        self.jobs: list[PlaneJob] = []
+        self.held_bytes = 0
+
+    def tensor(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self.jobs:
+            yield name, tensor
+            return
+        self.entries.append((name, tensor, None))
+        self.held_bytes += tensor.numel() * tensor.element_size()
+        if self.held_bytes >= self.decoder.batch_bytes:
+            yield from self.flush()
+
+    def plane(
+        self, name: str, job: PlaneJob, finish: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``finish`` turns the decoded ``[rows, cols]`` uint8 plane into the tensor to yield."""
+        self.entries.append((name, None, finish))
+        self.jobs.append(job)
+        if len(self.jobs) >= self.decoder.batch_planes:
+            yield from self.flush()
+
+    def flush(self) -> Iterator[tuple[str, torch.Tensor]]:
+        entries, jobs = self.entries, self.jobs
+        self.entries, self.jobs, self.held_bytes = [], [], 0
+        if not jobs:
+            yield from ((name, t) for name, t, _ in entries if t is not None)
+            return
+        try:
+            decoded = iter(self.decoder.decode_many(jobs))
+        except (CsfFormatError, DeviceMemoryError) as exc:
+            raise CsfLoadError(str(exc)) from None
+        for name, tensor, finish in entries:
+            if finish is None:
+                assert tensor is not None
+                yield name, tensor
+            else:
+                yield name, finish(next(decoded))
+
+
+def as_e4m3(scales: torch.Tensor) -> torch.Tensor:
+    return scales.view(torch.float8_e4m3fn)
+
+
 def decode_csf_stream(
     weights: Iterable[tuple[str, torch.Tensor]],
     shard_of: dict[str, str] | None = None,
@@ -75,11 +131,17 @@ def decode_csf_stream(
     """
     shard_of = shard_of or {}
     decoder = decoder or PlaneDecoder(torch.device("cpu"))
+    window = PlaneWindow(decoder)
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    shard = None
     for name, tensor in weights:
+        if shard_of.get(name, shard) != shard:
+            # nothing read from a shard is held past it (its file may be closed and unmapped then)
+            yield from window.flush()
+            shard = shard_of.get(name)
         suffix = FIXED if name.endswith(FIXED) else EXCEPTIONS if name.endswith(EXCEPTIONS) else None
         if suffix is None:
-            yield name, tensor
+            yield from window.tensor(name, tensor)
             continue
         base = name[: -len(suffix)]
         parts = pending.setdefault(base, {})
@@ -89,9 +151,14 @@ def decode_csf_stream(
         del pending[base]
         where = f"{shard_of.get(name, '?')}: {base}"
         rows, cols = nvfp4_logical_shape(parts[FIXED], where)
+        plane = CsfPlane(parts[FIXED], parts[EXCEPTIONS])
+        if decoder.batches:
+            yield from window.plane(base, PlaneJob(plane, NVFP4_CSF, rows, cols, where), as_e4m3)
+            continue
         extent = extent_of(base, rows, cols) if extent_of is not None and decoder.on_host else None
-        scales = decode_plane(decoder, CsfPlane(parts[FIXED], parts[EXCEPTIONS]), NVFP4_CSF, rows, cols, where, extent)
-        yield base, scales.view(torch.float8_e4m3fn)
+        scales = decode_plane(decoder, plane, NVFP4_CSF, rows, cols, where, extent)
+        yield base, as_e4m3(scales)
+    yield from window.flush()
     if pending:
         base, parts = next(iter(pending.items()))
         present = next(iter(parts))
@@ -105,15 +172,20 @@ def decode_csf_stream(
 
 def log_decoded(decoder: PlaneDecoder, family: str) -> None:
     if decoder.planes:
+        launches = f", {decoder.launches} launches" if decoder.launches else ""
+        staging = (
+            f", {decoder.copy_seconds:.3f} s of it staging the planes for the device" if decoder.copy_seconds else ""
+        )
         logger.info(
-            "csf_loader: decoded %d %s scale planes %s (%d of them only this rank's TP extent, %.1f MB) in %.3f s%s",
+            "csf_loader: decoded %d %s scale planes %s (%d of them only this rank's TP extent, %.1f MB) in %.3f s%s%s",
             decoder.planes,
             family,
             decoder.describe(),
             decoder.partial,
             decoder.decoded_bytes / 1e6,
             decoder.seconds,
-            f" ({decoder.copy_seconds:.3f} s of it staging the planes for the device)" if decoder.copy_seconds else "",
+            launches,
+            staging,
         )
 
 
@@ -149,6 +221,7 @@ def mxfp4_container_stream(
     from safetensors import safe_open
 
     decoder = decoder or PlaneDecoder(torch.device("cpu"))
+    window = PlaneWindow(decoder)
     container = read_mxfp4_contract(root)
     fixed_sfx, exc_sfx = MXFP4_CSF.fixed_suffix, MXFP4_CSF.exceptions_suffix
     for shard in container.shards:
@@ -163,7 +236,7 @@ def mxfp4_container_stream(
                 if not name.endswith(fixed_sfx):
                     if name in compressed:
                         raise CsfLoadError(f"{path}: {name} is stored uncompressed but its receipt says compressed")
-                    yield name, f.get_tensor(name)
+                    yield from window.tensor(name, f.get_tensor(name))
                     continue
                 base = name[: -len(fixed_sfx)]
                 if base + exc_sfx not in present:
@@ -173,15 +246,22 @@ def mxfp4_container_stream(
                 shape = tuple(compressed[base]["shape"])
                 rows, cols = logical_2d(shape)
                 plane = CsfPlane(f.get_tensor(name), f.get_tensor(base + exc_sfx))
-                out = decode_plane(decoder, plane, MXFP4_CSF, rows, cols, f"{path}: {base}").reshape(shape)
                 dtype = compressed[base].get("dtype", "U8")
                 if dtype not in TORCH_DTYPE or TORCH_DTYPE[dtype].itemsize != 1:
                     raise CsfLoadError(f"{path}: {base}: its receipt's dtype {dtype!r} is not a 1-byte scale dtype")
-                out = out.view(TORCH_DTYPE[dtype])
-                yield base, out
+
+                def finish(scales: torch.Tensor, shape: tuple[int, ...] = shape, dtype: str = dtype) -> torch.Tensor:
+                    return scales.reshape(shape).view(TORCH_DTYPE[dtype])
+
+                what = f"{path}: {base}"
+                if decoder.batches:
+                    yield from window.plane(base, PlaneJob(plane, MXFP4_CSF, rows, cols, what), finish)
+                else:
+                    yield base, finish(decode_plane(decoder, plane, MXFP4_CSF, rows, cols, what))
             for name in present:
                 if name.endswith(exc_sfx) and name[: -len(exc_sfx)] + fixed_sfx not in present:
                     raise CsfLoadError(f"{path}: {name} has no partner {name[: -len(exc_sfx)]}{fixed_sfx}")
+            yield from window.flush()  # nothing of a shard is held past its file's closing
     log_decoded(decoder, "MXFP4-CSF")
 
 

@@ -6,9 +6,11 @@ Imported only from ``register_with_vllm`` (it imports vLLM). The loader is stock
 (bit-exact, validated) into the plain E4M3 tensor ``<name>`` the source checkpoint had, so
 the model's own ``load_weights`` and stock's NVFP4 methods receive exactly the source bytes.
 The decode runs where the model's parameters are (``device_decode.PlaneDecoder``): on CUDA the
-compressed streams go to the GPU and the Triton kernel decodes them there, as each tensor
-streams in; on CPU the torch codec decodes on the host, and for stock's parallel linear layers
-each rank decodes only its TP extent from the compressed payload (``tp_extent_resolver``).
+compressed streams go to the GPU and the Triton kernel decodes them there as they stream in, a
+window of planes at a time (``stream.PlaneWindow``: up to 128 planes, or 32 MB of the tensors
+between them held back, checked, copied and decoded per shape at once); on CPU the torch codec
+decodes on the host, and for stock's parallel linear layers each rank decodes only its TP extent
+from the compressed payload (``tp_extent_resolver``).
 Stock's ModelOpt ``MIXED_PRECISION`` config reads the CSF ``config.json`` unchanged (it
 ignores ``weight_scale_encoding``).
 
