@@ -209,7 +209,7 @@ def batched_windows(device: torch.device, kernel: str) -> None:
     host = consume(decode_csf_stream(stream, shard_of, decoder=PlaneDecoder(torch.device("cpu"), "torch")))
     # the second half of the stream in another shard: the window is emptied at the boundary
     two_shards = {n: f"model-0000{1 + (k >= len(stream) // 2)}-of-00002.safetensors" for k, (n, _) in enumerate(stream)}
-    for planes, held, shards in ((4, 1 << 30, shard_of), (128, 3000, shard_of), (128, 1 << 30, shard_of),
+    for planes, held, shards in ((4, 1 << 30, shard_of), (128, 8000, shard_of), (128, 1 << 30, shard_of),
                                  (128, 1 << 30, two_shards)):  # fmt: skip
         label = f"window {planes}/{held}, {len(set(shards.values()))} shard(s)"
         decoder = PlaneDecoder(device, kernel, batch_planes=planes, batch_bytes=held)

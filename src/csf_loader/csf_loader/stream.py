@@ -64,7 +64,7 @@ class PlaneWindow:
 
     With a decoder that ``batches`` (the Triton kernel), a completed plane becomes a job and
     the tensors after it are held back until ``batch_planes`` jobs are waiting or ``batch_bytes``
-    of tensors are held; then every job is decoded at once (``PlaneDecoder.decode_many``) and the
+    are held (tensors and compressed planes); then every job is decoded at once (``PlaneDecoder.decode_many``) and the
     held entries come out in stream order. While no job waits, tensors pass straight through.
     """
 
@@ -89,7 +89,9 @@ class PlaneWindow:
         """``finish`` turns the decoded ``[rows, cols]`` uint8 plane into the tensor to yield."""
         self.entries.append((name, None, finish))
         self.jobs.append(job)
-        if len(self.jobs) >= self.decoder.batch_planes:
+        # the planes' own bytes count too, so a window of large planes stays small on both sides
+        self.held_bytes += job.plane.fixed.numel() + 4 * job.plane.exceptions.numel()
+        if len(self.jobs) >= self.decoder.batch_planes or self.held_bytes >= self.decoder.batch_bytes:
             yield from self.flush()
 
     def flush(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -7,7 +7,7 @@ Imported only from ``register_with_vllm`` (it imports vLLM). The loader is stock
 the model's own ``load_weights`` and stock's NVFP4 methods receive exactly the source bytes.
 The decode runs where the model's parameters are (``device_decode.PlaneDecoder``): on CUDA the
 compressed streams go to the GPU and the Triton kernel decodes them there as they stream in, a
-window of planes at a time (``stream.PlaneWindow``: up to 128 planes, or 32 MB of the tensors
+window of planes at a time (``stream.PlaneWindow``: up to 128 planes, or 32 MB of them and the tensors
 between them held back, checked, copied and decoded per shape at once); on CPU the torch codec
 decodes on the host, and for stock's parallel linear layers each rank decodes only its TP extent
 from the compressed payload (``tp_extent_resolver``).
