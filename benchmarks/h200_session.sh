@@ -9,7 +9,9 @@
 #      exactness; GPU 0: fp16 exactness (breakable and compiled CUDA graphs, eager); then TP=2.
 #   b: bench_gpu.py (medium config, fp16, vLLM on GPU 0 against the roofline, two stock models of the
 #      same size (the peers: Qwen3-MoE and the hybrid Qwen3-Next), ours without prefix caching and
-#      compiled, and stock's model; transformers on GPU 1 at the same time).
+#      compiled, and stock's model; transformers on GPU 1 at the same time). BENCH_ARGS replaces the
+#      modes, e.g. BUDGET=580 BENCH_ARGS="--modes compiled --repeats 2 --no-transformers" alone in a call:
+#      the compiled engine needs about 5 minutes to start on a fresh machine (results/h200_bench_gpu.txt).
 #   s: the soak (tests/soak: load, preemption, prefix hits, faults) against a server with CUDA graphs, then
 #      the SM70 AWQ kernels, awq_sm70 + FLASH_ATTN_V100 in an engine and the SM70 benchmarks (GPU 0);
 #      meanwhile the multimodal step on GPU 1 (gpu_session.py --only mm: images and video served in fp16
@@ -92,7 +94,8 @@ b)
     # right after graphs, so the ours / peer ratios survive a limit that stops the later modes; then
     # ours without prefix caching (what vLLM's hybrid-state copies cost a step), then torch.compile
     timeout $(lim 560) $q38 "$res/bench" --only bench --work $work/q38 \
-        --bench-args "--modes graphs,peer,peer-hybrid,graphs-noprefix,compiled --repeats 2" >"$res/bench.log" 2>&1
+        --bench-args "${BENCH_ARGS:---modes graphs,peer,peer-hybrid,graphs-noprefix,compiled --repeats 2}" \
+        >"$res/bench.log" 2>&1
     ;;
 w)
     # issue 11 alone: awq_sm70 + FLASH_ATTN_V100 with CUDA graphs in vLLM engines (Qwen3, Qwen3-MoE, Qwen4Exp)
