@@ -119,9 +119,8 @@ def _check_staged_values(host: torch.Tensor, planes: Sequence[CsfPlane], codec: 
         return False
     # strictly increasing inside each plane: every step but those from one plane's words to the next's
     steps = positions[1:] > positions[:-1]
-    ends = torch.cumsum(torch.tensor([p.exceptions.numel() for p in planes], dtype=torch.int64), 0)[:-1]
-    boundaries = ends[(ends > 0) & (ends < positions.numel())] - 1
-    steps[boundaries] = True
+    ends = host[:words_at].view(torch.int64)[1:-1]  # the staged word starts of planes 1 .. P - 1
+    steps[ends[(ends > 0) & (ends < positions.numel())] - 1] = True
     return bool(steps.all())
 
 
@@ -156,11 +155,7 @@ class StagingRing:
         filled host buffer before the copy (and may raise)."""
         size = _group_layout(planes)[2]
         if size > self.capacity:
-            host = torch.empty(size, dtype=torch.uint8)
-            _fill_staging(host, planes)
-            if check is not None:
-                check(host)
-            return _staged_views(host.to(self.device), planes)
+            return _stage_pageable(planes, self.device, check)
         if self.buffer is None:
             self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         start = -(-self.offset // 16) * 16  # 16-byte aligned, so the int64 starts stay aligned
@@ -205,8 +200,8 @@ class PlaneDecoder:
     """Decodes every plane of a weight stream onto ``device`` with the kernel chosen for it.
 
     With the Triton kernel (``batches``) the weight streams hand it planes in groups
-    (``decode_many``, up to ``batch_planes`` planes or ``batch_bytes`` of other tensors held back
-    meanwhile): same-shape planes are checked in one pass, cross in one copy and are decoded by one
+    (``decode_many``, up to ``batch_planes`` planes, or ``batch_bytes`` of them and the tensors
+    held back between them): same-shape planes are checked in one pass, cross in one copy and are decoded by one
     launch, where one plane at a time cost a check, a copy and a launch each (about 0.7 ms a plane
     on the H200's host side, more than the source checkpoint's whole load per plane).
 
@@ -265,8 +260,6 @@ class PlaneDecoder:
                 if on_device or not self.batches:
                     continue
                 groups.setdefault((job.codec.name, job.rows, job.cols), []).append(i)
-            grouped = {i for indices in groups.values() for i in indices}
-            singly = [i for i in range(len(jobs)) if i not in grouped]
             try:
                 for indices in groups.values():
                     for i, scales in zip(indices, self._decode_group([jobs[i] for i in indices]), strict=True):
@@ -276,14 +269,11 @@ class PlaneDecoder:
                 raise
         finally:
             self.seconds += time.perf_counter() - started
-        for i in singly:  # decode counts these itself
-            job = jobs[i]
-            results[i] = self.decode(job.plane, job.codec, job.rows, job.cols, job.what)
-        done = [r for r in results if r is not None]
-        assert len(done) == len(jobs)
-        self.planes += len(jobs) - len(singly)
-        self.decoded_bytes += sum(r.numel() for i, r in enumerate(done) if i not in singly)
-        return done
+        # a plane in no group (already on the device): decode times and counts it itself
+        return [
+            self.decode(job.plane, job.codec, job.rows, job.cols, job.what) if scales is None else scales
+            for scales, job in zip(results, jobs, strict=True)
+        ]
 
     def _decode_group(self, jobs: Sequence[PlaneJob]) -> list[torch.Tensor]:
         assert self.staging is not None
@@ -305,6 +295,8 @@ class PlaneDecoder:
         most = max(plane.exceptions.numel() for plane in planes)
         decode_triton_stacked(fixed, words, starts, codec, len(jobs), rows, cols, out, most)
         self.launches += 1
+        self.planes += len(jobs)
+        self.decoded_bytes += out.numel()
         return list(out.unbind(0))
 
     def describe(self) -> str:
@@ -411,13 +403,23 @@ class PlaneDecoder:
         )
 
 
+def _stage_pageable(
+    planes: Sequence[CsfPlane], device: torch.device, check: Callable[[torch.Tensor], None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The group's buffer filled in fresh pageable memory (``check`` sees it first) and copied to
+    ``device``, the copy waited for: the way of a group larger than the staging ring."""
+    host = torch.empty(_group_layout(planes)[2], dtype=torch.uint8)
+    _fill_staging(host, planes)
+    if check is not None:
+        check(host)
+    return _staged_views(host.to(device), planes)
+
+
 def stage_plane(plane: CsfPlane, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A host plane's fixed stream, exception words and ``[0, count]`` word starts on ``device``, in
     one copy from pageable memory: one buffer (``_group_layout``) carries what would otherwise be
     three copies."""
-    host = torch.empty(_group_layout([plane])[2], dtype=torch.uint8)
-    _fill_staging(host, [plane])
-    fixed, words, starts = _staged_views(host.to(device), [plane])
+    fixed, words, starts = _stage_pageable([plane], device)
     return fixed.view(plane.fixed.shape), words, starts
 
 

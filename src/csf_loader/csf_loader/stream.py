@@ -64,8 +64,9 @@ class PlaneWindow:
 
     With a decoder that ``batches`` (the Triton kernel), a completed plane becomes a job and
     the tensors after it are held back until ``batch_planes`` jobs are waiting or ``batch_bytes``
-    are held (tensors and compressed planes); then every job is decoded at once (``PlaneDecoder.decode_many``) and the
-    held entries come out in stream order. While no job waits, tensors pass straight through.
+    are held (tensors and compressed planes); then every job is decoded at once
+    (``PlaneDecoder.decode_many``) and the held entries come out in stream order. While no job
+    waits, tensors pass straight through.
     """
 
     def __init__(self, decoder: PlaneDecoder) -> None:
