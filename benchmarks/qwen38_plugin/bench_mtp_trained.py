@@ -161,6 +161,31 @@ def corpus_tokens(work: Path, tokenizer_dir: Path, max_tokens: int) -> Path:
     return path
 
 
+WARMUP = 0.05  # of a training run (stages 0 and 3), then cosine down to a tenth
+
+
+def run_fraction(step: int, max_steps: int, elapsed: float, max_seconds: float) -> float:
+    """How far a run is that ends at ``max_steps`` or ``max_seconds`` (0: no limit), whichever comes
+    first: the schedule follows whichever is nearer its end, so a time-bounded run still anneals."""
+    return max(step / max_steps, elapsed / (max_seconds or float("inf")))
+
+
+def warmup_cosine(done: float) -> float:
+    """The learning rate's scale at fraction ``done`` of a run: linear warm-up, then cosine to 0.1."""
+    import math
+
+    if done < WARMUP:
+        return max(done / WARMUP, 0.01)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (done - WARMUP) / (1 - WARMUP))))
+
+
+def training_autocast(device: str) -> Any:
+    """bf16 autocast on CUDA; on CPU none (the dry run trains in fp32)."""
+    import torch
+
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+
+
 def pretrain(args: argparse.Namespace, model: Path, corpus: Path, device: str) -> tuple[Path, dict[str, Any]]:
     """Stage 0: the target trained as a causal LM on the corpus; its checkpoint and report."""
     import torch
@@ -201,31 +226,14 @@ def reference_gated_delta_rule(device: str) -> Iterator[None]:
 def _pretrain(
     args: argparse.Namespace, model: Path, train_ids: Any, held_out: Any, device: str, destination: Path
 ) -> tuple[Path, dict[str, Any]]:
-    import math
-
     import torch
     from transformers import Qwen4ExpForCausalLM
 
     net = Qwen4ExpForCausalLM.from_pretrained(str(model), dtype=torch.float32).to(device).train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=args.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = 0.05  # of the run, then cosine down to a tenth
-    budget = args.pretrain_seconds or float("inf")
-
-    def progress(step: int, elapsed: float) -> float:
-        # the run ends at --pretrain-steps or --pretrain-seconds, whichever comes first: the schedule
-        # follows whichever is nearer its end, so a time-bounded run still anneals
-        return max(step / args.pretrain_steps, elapsed / budget)
-
-    def lr_scale(done: float) -> float:
-        if done < warmup:
-            return max(done / warmup, 0.01)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (done - warmup) / (1 - warmup))))
-
     gen = torch.Generator().manual_seed(0)
     length, batch = args.pretrain_seq_len, args.pretrain_batch
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
-    )
+    autocast = training_autocast(device)
 
     def windows(tokens: Any, n: int) -> Any:
         starts = torch.randint(0, tokens.numel() - length, (n,), generator=gen)
@@ -245,9 +253,9 @@ def _pretrain(
     print(f"pretrain: held-out loss before {report['held_out_loss_before']:.3f}", flush=True)
     start = time.perf_counter()
     step, printed = 0, 0.0
-    while (done := progress(step, time.perf_counter() - start)) < 1.0:
+    while (done := run_fraction(step, args.pretrain_steps, time.perf_counter() - start, args.pretrain_seconds)) < 1.0:
         for group in optimizer.param_groups:
-            group["lr"] = args.pretrain_lr * lr_scale(done)
+            group["lr"] = args.pretrain_lr * warmup_cosine(done)
         ids = windows(train_ids, batch)
         with autocast:
             loss = net(input_ids=ids, labels=ids).loss
@@ -395,7 +403,8 @@ def run_child(kind: str, args: argparse.Namespace, model: Path, tag: str, timeou
 # ---------------------------------------------------------------------------------------------
 
 
-def load_oracle(model: Path, device: str) -> tuple[Any, Any]:
+def load_oracle(model: Path, device: str, with_head: bool = True) -> tuple[Any, Any]:
+    """The plain-torch target (eval) and, ``with_head``, its MTP head (else None), in fp32."""
     import torch
     from transformers import AutoConfig
 
@@ -403,12 +412,16 @@ def load_oracle(model: Path, device: str) -> tuple[Any, Any]:
     from qwen38_plugin.mtp_reference import Qwen4ExpMTPReference
 
     config = AutoConfig.from_pretrained(model)
-    core, head = Qwen4ExpCore(config), Qwen4ExpMTPReference(config)
+    core = Qwen4ExpCore(config)
     tensors = list(iter_safetensors(model))
     core.load_checkpoint_tensors(tensors)
-    head.load_checkpoint_tensors(tensors)
+    head = None
+    if with_head:
+        head = Qwen4ExpMTPReference(config)
+        head.load_checkpoint_tensors(tensors)
+        head = head.to(device=device, dtype=torch.float32)
     # fp32 masters for training (the served checkpoint keeps its dtype)
-    return core.to(device=device, dtype=torch.float32).eval(), head.to(device=device, dtype=torch.float32)
+    return core.to(device=device, dtype=torch.float32).eval(), head
 
 
 def target_streams(core: Any, sequences: list[list[int]], device: str) -> list[Any]:
@@ -573,11 +586,8 @@ def train_dflash(
 ) -> dict[str, Any]:
     """Stage 3: a DFlash drafter trained on the target's own text, written with its report to
     ``destination`` (a directory vLLM loads as ``DFlashDraftModel``)."""
-    import math
-
     import torch
     import torch.nn.functional as F
-    from transformers import AutoConfig
 
     from dflash2.drafter_reference import (
         DFlashDrafterReference,
@@ -587,12 +597,9 @@ def train_dflash(
         expected_acceptance_length,
         qwen4exp_aux_features,
     )
-    from qwen38_plugin.model import Qwen4ExpCore, iter_safetensors
 
     config = dflash_config_for(args, model)
-    core = Qwen4ExpCore(AutoConfig.from_pretrained(model))
-    core.load_checkpoint_tensors(iter_safetensors(model))
-    core = core.to(device=device, dtype=torch.float32).eval()
+    core, _ = load_oracle(model, device, with_head=False)
     # the target's embedding and lm_head, shared with the drafter as vLLM shares them, and frozen
     embed, lm_head = core.model.embed_tokens.weight.detach(), core.lm_head.weight.detach()
     indices = aux_layer_indices(config)
@@ -623,9 +630,7 @@ def train_dflash(
     g = drafter.geometry
     weights = torch.tensor([DFLASH_POSITION_DECAY**k for k in range(drafts)], device=device)
     weights = weights / weights.sum()
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
-    )
+    autocast = training_autocast(device)
 
     def blocks_forward(ids: list[Any], feats: list[Any], anchors: list[list[int]]) -> tuple[Any, Any]:
         """Every anchor's block of each sequence in one forward; logits ``[B, blocks, drafts, V]``
@@ -671,20 +676,12 @@ def train_dflash(
     print(f"dflash: before {report['before']}", flush=True)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.dflash_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    budget = args.dflash_train_seconds or float("inf")
-    warmup = 0.05  # of the run, then cosine down to a tenth (as stage 0)
-
-    def lr_scale(done: float) -> float:
-        if done < warmup:
-            return max(done / warmup, 0.01)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (done - warmup) / (1 - warmup))))
-
     start = time.perf_counter()
     step, printed, losses = 0, 0.0, []
-    # the run ends at --dflash-train-steps or --dflash-train-seconds, whichever comes first
-    while (done := max(step / args.dflash_train_steps, (time.perf_counter() - start) / budget)) < 1.0:
+    max_steps, max_seconds = args.dflash_train_steps, args.dflash_train_seconds
+    while (done := run_fraction(step, max_steps, time.perf_counter() - start, max_seconds)) < 1.0:
         for group in optimizer.param_groups:
-            group["lr"] = args.dflash_lr * lr_scale(done)
+            group["lr"] = args.dflash_lr * warmup_cosine(done)
         picked = torch.randint(0, len(train_ids), (args.dflash_batch,), generator=gen).tolist()
         anchors = [torch.randint(low, high, (args.dflash_blocks,), generator=gen).tolist() for _ in picked]
         logits, labels = blocks_forward([train_ids[i] for i in picked], [train_features[i] for i in picked], anchors)
