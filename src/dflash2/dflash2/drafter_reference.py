@@ -337,13 +337,9 @@ def qwen4exp_aux_features(core: Any, sequences: Sequence[torch.Tensor], indices:
     """The target features a Qwen4Exp target hands a DFlash drafter: for each sequence of token ids
     ``[T]``, the ``hc_mean`` of the residual streams entering each layer in ``indices``
     (`aux_layer_indices`; ``num_hidden_layers``: after the last layer, before the final mixer),
-    concatenated ``[T, len(indices) * H]``, from the plain-torch oracle ``core``
-    (`qwen38_plugin.model.Qwen4ExpCore`; call under ``torch.no_grad()``). The sequences run
-    together, as prefills of one step.
-
-    The oracle returns the streams after its last layer; the streams entering layer ``i`` are those
-    of the same oracle cut to its first ``i`` layers (the layers run in order and never look ahead),
-    so each index is one shortened forward of exactly the served computation.
+    concatenated ``[T, len(indices) * H]``, from one forward of the plain-torch oracle ``core``
+    (`qwen38_plugin.model.Qwen4ExpCore.forward_streams`; call under ``torch.no_grad()``). The
+    sequences run together, as prefills of one step.
     """
     from qwen38_plugin.model import DictStateStore, SequenceCache
     from qwen38_plugin.ops import hyper_connection
@@ -356,13 +352,13 @@ def qwen4exp_aux_features(core: Any, sequences: Sequence[torch.Tensor], indices:
     lengths = [int(s.numel()) for s in sequences]
     token_ids = torch.cat(list(sequences))
     positions = torch.cat([torch.arange(n, device=token_ids.device) for n in lengths])
+    entering: dict[int, torch.Tensor | None] = dict.fromkeys(indices)
+    core.forward_streams(
+        token_ids, positions, lengths, DictStateStore(core, [SequenceCache() for _ in lengths]), entering
+    )
     features = []
-    try:
-        for index in indices:
-            config.num_hidden_layers = index
-            store = DictStateStore(core, [SequenceCache() for _ in lengths])
-            _, streams = core.forward_streams(token_ids, positions, lengths, store)
-            features.append(hyper_connection.hc_mean(streams, config.hc_count))
-    finally:
-        config.num_hidden_layers = depth
+    for index in indices:
+        streams = entering[index]
+        assert streams is not None
+        features.append(hyper_connection.hc_mean(streams, config.hc_count))
     return list(torch.cat(features, dim=-1).split(lengths))

@@ -627,10 +627,17 @@ class Qwen4ExpCore(nn.Module):
         return self.forward_streams(token_ids, positions, query_lens, store)[0]
 
     def forward_streams(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, query_lens: Sequence[int], store: StateStore
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        query_lens: Sequence[int],
+        store: StateStore,
+        entering: dict[int, torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward_step`, also returning the residual streams before the final mixer ``[N, hc * H]``
-        (what the MTP head reads: `qwen38_plugin.mtp_reference`)."""
+        (what the MTP head reads: `qwen38_plugin.mtp_reference`). Each key of ``entering`` (a layer
+        index, ``num_hidden_layers`` meaning after the last layer) is set to the streams entering
+        that layer (what a DFlash drafter's target features reduce: `dflash2.drafter_reference`)."""
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -645,6 +652,8 @@ class Qwen4ExpCore(nn.Module):
         cfg = self.config
         streams = hyper_connection.hc_expand(self.model.embed(token_ids), cfg.hc_count)
         for index in range(cfg.num_hidden_layers):
+            if entering is not None and index in entering:
+                entering[index] = streams
             layer = self.model.layer(index)
             if layer.ple is not None:
                 term = torch.empty_like(streams)
@@ -684,6 +693,8 @@ class Qwen4ExpCore(nn.Module):
             x, inject = layer.mlp_hyper_connection.mix(streams)
             assert inject is not None
             streams = hyper_connection.hc_inject(streams, layer.mlp(x), inject)
+        if entering is not None and cfg.num_hidden_layers in entering:
+            entering[cfg.num_hidden_layers] = streams
         hidden, _ = self.model.hyper_connection_mixer.mix(streams)
         return hidden, streams
 
