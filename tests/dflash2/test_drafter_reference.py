@@ -20,6 +20,7 @@ Run as a script (``python THIS MODEL DRAFTER PROMPTS_JSON MAX_TOKENS``) it is th
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -117,20 +118,26 @@ def served(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPa
     return target, drafter.eval(), result
 
 
-def reference_drafts(
-    target: Path, drafter: Any, result: dict[str, Any], *, layer_shift: int = 1, position_shift: int = 0,
-    extra_context: int = 0,
-) -> tuple[list[list[int]], list[float]]:  # fmt: skip
-    """The reference's drafts at each recorded step, and the margin of each draft's logit over the
-    runner-up; ``layer_shift``, ``position_shift`` and ``extra_context`` make deliberate mistakes."""
+@functools.cache
+def oracle(target: Path) -> Any:
+    """The plain-torch target (eval), loaded once for every test of this module."""
     from transformers import AutoConfig
 
-    from dflash2.drafter_reference import block_attention_mask, qwen4exp_aux_features
     from qwen38_plugin.model import Qwen4ExpCore, iter_safetensors
 
     core = Qwen4ExpCore(AutoConfig.from_pretrained(target))
     core.load_checkpoint_tensors(iter_safetensors(target))
-    core.eval()
+    return core.eval()
+
+
+def reference_drafts(
+    target: Path, drafter: Any, result: dict[str, Any], *, layer_shift: int = 1, position_shift: int = 0
+) -> tuple[list[list[int]], list[float]]:
+    """The reference's drafts at each recorded step, and the margin of each draft's logit over the
+    runner-up; ``layer_shift`` and ``position_shift`` make deliberate mistakes."""
+    from dflash2.drafter_reference import block_attention_mask, qwen4exp_aux_features
+
+    core = oracle(target)
     indices = sorted(i + layer_shift for i in drafter.config["dflash_config"]["target_layer_ids"])
     embed, lm_head = core.model.embed_tokens.weight, core.lm_head.weight
     mask_id = drafter.geometry.mask_token_id
@@ -143,13 +150,12 @@ def reference_drafts(
             k = len(step["drafts"])
             block = torch.tensor([int(tokens[a])] + [mask_id] * k)
             positions = torch.arange(a, a + 1 + k) + position_shift
-            c = a + extra_context  # context rows: positions 0 .. c - 1
-            hidden = drafter(
-                drafter.context_states(features[step["request"]][:c]).unsqueeze(0),
-                torch.arange(c).unsqueeze(0),
+            hidden = drafter(  # context rows: positions 0 .. a - 1
+                drafter.context_states(features[step["request"]][:a]).unsqueeze(0),
+                torch.arange(a).unsqueeze(0),
                 torch.nn.functional.embedding(block, embed).unsqueeze(0),
                 positions.unsqueeze(0),
-                block_attention_mask([c], c, 1 + k, causal=True).unsqueeze(0),
+                block_attention_mask([a], a, 1 + k, causal=True).unsqueeze(0),
             )
             logits = hidden[0, 1:] @ lm_head.t()
             top = logits.topk(2, dim=-1)
@@ -181,18 +187,14 @@ def test_reference_drafts_what_vllm_drafts(served: tuple) -> None:
     assert len(mismatches) <= 2, mismatches
     assert sum(m > 1e-3 for m in margins) >= 0.9 * len(margins)  # most argmaxes are clear: not luck
     # the convenience path (one request's step) is the same computation
-    from transformers import AutoConfig
-
     from dflash2.drafter_reference import aux_layer_indices, qwen4exp_aux_features
-    from qwen38_plugin.model import Qwen4ExpCore, iter_safetensors
 
-    core = Qwen4ExpCore(AutoConfig.from_pretrained(target))
-    core.load_checkpoint_tensors(iter_safetensors(target))
+    core = oracle(target)
     step = steps[-1]
     tokens = result["tokens"][step["request"]][: step["length"]]
     with torch.no_grad():
         # one sequence alone, not in a batch of three: the same features
-        (features,) = qwen4exp_aux_features(core.eval(), [torch.tensor(tokens)], aux_layer_indices(drafter.config))
+        (features,) = qwen4exp_aux_features(core, [torch.tensor(tokens)], aux_layer_indices(drafter.config))
         logits = drafter.draft_logits(
             features, tokens, len(step["drafts"]), core.model.embed_tokens.weight, core.lm_head.weight
         )
