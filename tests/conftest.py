@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,6 +20,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "tests"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Two workers share two cores with the engines they start: one torch thread each, or
+        # OpenMP threads spin-wait on a busy core and run several times slower.
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def _builder_digest() -> str:
     # A cached checkpoint is reused only while the builder's code is unchanged.
     tiny_dir = Path(tiny_checkpoints.__file__).parent
@@ -27,13 +39,24 @@ def _builder_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def building(out: Path) -> Iterator[None]:
+    """Hold the build lock of the cached directory ``out``: the suite runs in two pytest-xdist
+    workers that share `.cache/tests`, so a builder checks for ``out`` and builds it inside."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def build_cached_checkpoint(
     model_type: str, seed: int = 0, overrides: Mapping[str, Any] | None = None, dtype: str = "bfloat16"
 ) -> Path:
     key = json.dumps([_builder_digest(), model_type, seed, dict(overrides or {}), dtype], sort_keys=True)
     out = CACHE / "checkpoints" / f"{model_type}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if not out.exists():
-        tiny_checkpoints.build_tiny_checkpoint(out, model_type, seed=seed, overrides=overrides, dtype=dtype)
+    with building(out):
+        if not out.exists():
+            tiny_checkpoints.build_tiny_checkpoint(out, model_type, seed=seed, overrides=overrides, dtype=dtype)
     return out
 
 
@@ -59,13 +82,31 @@ class ServerFactory(Protocol):
     ) -> VllmServer: ...
 
 
+# Servers started by `start_server` that are still tracked: a failing test reports the log of
+# any that has exited on its own (CI shows a test's report, not the log files under .cache).
+_SERVERS: list[VllmServer] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.failed:
+        for server in _SERVERS:
+            code = server.process.poll() if server.process is not None else None
+            if code is not None and not server.stopped:
+                report.sections.append(
+                    (f"vLLM server exited with code {code} ({server.log_path})", server.log()[-8000:])
+                )
+    return report
+
+
 @pytest.fixture(scope="module")
 def start_server(request: pytest.FixtureRequest) -> Iterator[ServerFactory]:
     """Start stock vLLM servers for one test module; all are stopped when the module ends.
 
     Servers take about a minute to start on 2 cores: start one per module, not per test.
     """
-    servers: list[VllmServer] = []
+    servers = _SERVERS
 
     def start(model: Path | str, args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> VllmServer:
         name = f"{request.module.__name__.rsplit('.', 1)[-1]}-{len(servers)}"
@@ -76,3 +117,4 @@ def start_server(request: pytest.FixtureRequest) -> Iterator[ServerFactory]:
     yield start
     for server in servers:
         server.stop()
+    servers.clear()

@@ -9,8 +9,84 @@ logprobs and parameters these tests compare do not depend on which process compu
 default three-process layout (API server, engine core, worker) runs in the server tests
 (tests/soak/test_soak.py and tests/tool_parsers/test_tool_parsers_server.py check that every plugin
 registers in each of the three).
+
+`engine_cores`: every stock vLLM engine a test starts runs while the test holds engine cores, one
+per rank. `scripts/test.sh` runs the suite in two pytest-xdist workers, so two single-rank engines
+can run at once, each with its worker's OpenMP thread bound to a core of its own; a two-rank engine
+holds both cores. The cores are taken through lock files in /tmp, so separate pytest runs on one
+machine share them too. Two engines bound to the same core (vLLM's automatic binding picks core 0
+for each), or OpenMP threads spin-waiting on a busy core, make a run several times slower.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import subprocess
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+# The machine's first two cores: CI has two, and a two-rank engine needs two.
+CORES = sorted(os.sched_getaffinity(0))[:2]
+LOCKS = Path("/tmp")
+
+
+def _lock_file(core: int) -> Path:
+    return LOCKS / f"qwen38-vllm-core{core}.lock"
+
+
+@contextlib.contextmanager
+def engine_cores(count: int = 1) -> Iterator[str]:
+    """Hold ``count`` engine cores (1, or 2 for a two-rank engine) while an engine runs, blocking
+    until they are free; yields the ``VLLM_CPU_OMP_THREADS_BIND`` value for them ("1", or "0|1"),
+    which is also set in ``os.environ`` for the duration, so a server or engine subprocess started
+    inside binds to them."""
+    if count not in (1, 2) or count > len(CORES):
+        raise ValueError(f"count: an engine holds 1 or {len(CORES)} cores on this machine, got {count}")
+    with contextlib.ExitStack() as stack:
+        files = {core: stack.enter_context(open(_lock_file(core), "w")) for core in CORES}
+        if count == len(CORES):
+            held = list(CORES)
+            for core in held:  # in ascending order: two engines taking both cores cannot deadlock
+                fcntl.flock(files[core], fcntl.LOCK_EX)
+        else:
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+            preferred = CORES[int(worker) % len(CORES)] if worker.isdigit() else CORES[0]
+            order = [preferred, *(c for c in CORES if c != preferred)]
+            held = []
+            for core in order:
+                try:
+                    fcntl.flock(files[core], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                held = [core]
+                break
+            if not held:
+                fcntl.flock(files[preferred], fcntl.LOCK_EX)
+                held = [preferred]
+        bind = "|".join(str(core) for core in held)
+        previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        try:
+            yield bind
+        finally:
+            if previous is None:
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            else:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+
+
+def run_engine_script(
+    cmd: Sequence[str], env: Mapping[str, str], cores: int = 1, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    """Run an engine script (``cmd``) holding ``cores`` engine cores, its OpenMP threads bound to
+    them (``env``'s own ``VLLM_CPU_OMP_THREADS_BIND`` is replaced); output captured, never raises
+    on a failed run."""
+    with engine_cores(cores) as bind:
+        return subprocess.run(
+            list(cmd), env={**env, "VLLM_CPU_OMP_THREADS_BIND": bind}, capture_output=True, text=True,
+            timeout=timeout, check=False,
+        )  # fmt: skip

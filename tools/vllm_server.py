@@ -69,6 +69,7 @@ class VllmServer:
         ]
         self.env = {**os.environ, **CPU_ENV, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
+        self.stopped = False  # set once `stop` ends a running server; a server that exited on its own keeps False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -100,6 +101,7 @@ class VllmServer:
         if self.process is None or self.process.poll() is not None:
             return
         # The server spawns the engine core and workers; stop the whole process group.
+        self.stopped = True
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(timeout=30)

@@ -15,22 +15,20 @@ from safetensors import safe_open
 
 from csf_loader.convert import main as csf_convert
 from csf_loader.quantize import quantize_checkpoint
-from tests.engines import IN_PROCESS
+from tests.engines import IN_PROCESS, run_engine_script
 
 SCRIPT = Path(__file__).with_name("engine_run.py")
-LOCK = "/tmp/qwen38-vllm.lock"
 
 
 def run_engine(model: Path, tp: int, load_format: str, out: Path) -> dict[str, Any]:
     env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0",
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
         **IN_PROCESS,
     )
-    cmd = ["flock", LOCK, sys.executable, str(SCRIPT), str(model), str(tp), load_format, str(out)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    cmd = [sys.executable, str(SCRIPT), str(model), str(tp), load_format, str(out)]
+    result = run_engine_script(cmd, env, cores=tp, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     data: dict[str, Any] = json.loads(out.read_text())
     data["log"] = result.stdout + result.stderr

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,10 +31,9 @@ from safetensors import safe_open
 
 from csf_loader.convert import main as csf_convert
 from tests.csf_loader.tiny_moe import build_mxfp4_moe
-from tests.engines import IN_PROCESS
+from tests.engines import IN_PROCESS, run_engine_script
 
 HERE = Path(__file__).parent
-LOCK = "/tmp/qwen38-vllm.lock"
 LAYERS, EXPERTS = 2, 4
 AMX = torch.cpu._is_amx_tile_supported()
 
@@ -47,7 +45,6 @@ def start_engine(model: Path, tp: int, dump: Path, load_format: str = "csf", for
     env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "0",
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
         CSF_TEST_DUMP_DIR=str(dump),
         CSF_TEST_FAKE_AMX="1",
@@ -56,8 +53,8 @@ def start_engine(model: Path, tp: int, dump: Path, load_format: str = "csf", for
     )
     out = dump / "engine.json"
     run = [sys.executable, str(HERE / "engine_run.py"), str(model), str(tp), load_format, str(out)]
-    cmd = ["flock", LOCK, *run, *([] if forward else ["load-only"])]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    cmd = [*run, *([] if forward else ["load-only"])]
+    result = run_engine_script(cmd, env, cores=tp, timeout=600)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]
     data: dict[str, Any] = json.loads(out.read_text())

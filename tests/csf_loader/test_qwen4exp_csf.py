@@ -31,10 +31,9 @@ import torch
 
 from csf_loader.convert import main as csf_convert
 from tests.csf_loader.tiny_qwen4exp import quantize_qwen4exp_nvfp4
-from tests.engines import IN_PROCESS
+from tests.engines import IN_PROCESS, run_engine_script
 
 HERE = Path(__file__).parent
-LOCK = "/tmp/qwen38-vllm.lock"
 PLANES = 26  # GDN in_proj_qkv, in_proj_z, out_proj (3 layers), QSA o_proj, shared experts (4), PLE (2 layers)
 
 
@@ -43,13 +42,12 @@ def run_engine(model: Path, load_format: str, out: Path, env: dict[str, str] | N
     env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="0",
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
         **IN_PROCESS,
         **(env or {}),
     )
     run = [sys.executable, str(HERE / "engine_run.py"), str(model), "1", load_format, str(out), "dtype=float16"]
-    result = subprocess.run(["flock", LOCK, *run], env=env, capture_output=True, text=True, timeout=900, check=False)
+    result = run_engine_script(run, env)
     log = result.stdout + result.stderr
     data: dict[str, Any] = json.loads(out.read_text()) if result.returncode == 0 else {}
     data["log"], data["returncode"] = log, result.returncode

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +22,9 @@ import torch
 
 from dflash2.ladder import parse_ladder
 from dflash2.tiny import build_tiny_drafter
+from tests.engines import run_engine_script
 
 HERE = Path(__file__).resolve().parent
-LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 K = 7
 LADDER = {"4": 3, "5": 4}
 MAX_TOKENS = [4, 8, 12, 16, 20, 28]
@@ -46,7 +45,7 @@ def reference_greedy(model: Path, prompts: list[list[int]], max_tokens: list[int
 
 
 def run_engine(model: Path, spec: dict[str, object], prompts: list[list[int]], max_tokens: list[int]) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     extra = {
         "max_num_seqs": 8,
         "enforce_eager": True,
@@ -55,8 +54,8 @@ def run_engine(model: Path, spec: dict[str, object], prompts: list[list[int]], m
         "tensor_parallel_size": 2,
     }
     args = [str(model), json.dumps(spec), json.dumps(prompts), json.dumps(max_tokens), json.dumps(extra)]
-    cmd = ["flock", LOCK, sys.executable, str(HERE / "spec_engine_run.py"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    cmd = [sys.executable, str(HERE / "spec_engine_run.py"), *args]
+    proc = run_engine_script(cmd, env, cores=2)  # TP=2: one core per rank
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     assert "dflash_concurrency_drafts {'4': 3, '5': 4} -> num_speculative_tokens_per_batch_size" in log, log[-6000:]

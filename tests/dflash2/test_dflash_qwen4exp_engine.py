@@ -27,12 +27,12 @@ import torch
 
 from dflash2.tiny import build_tiny_drafter
 from dflash2.view import make_view
+from tests.engines import run_engine_script
 from tests.qwen38_plugin.qwen38_reference import load_reference, reference_greedy_one
 from tests.qwen38_plugin.test_qwen38_spec_verify_engine import two_token_checkpoint
 from tests.qwen38_plugin.test_qwen38_vllm_engine import mixed_prompts
 
 HERE = Path(__file__).resolve().parent
-LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 K = 4
 MAX_TOKENS = [24, 8, 20, 16, 24]
 EXTRA = {"enforce_eager": True, "dtype": "float32", "enable_prefix_caching": False, "max_num_seqs": 8}
@@ -42,8 +42,8 @@ def run_engine(model: Path, drafter: Path, prompts: list[list[int]]) -> subproce
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": K}
     args = [str(model), json.dumps(spec), json.dumps(prompts), json.dumps(MAX_TOKENS), json.dumps(EXTRA)]
-    cmd = ["flock", LOCK, sys.executable, str(HERE / "spec_engine_run.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    cmd = [sys.executable, str(HERE / "spec_engine_run.py"), *args]
+    return run_engine_script(cmd, env)
 
 
 @pytest.fixture(scope="module")

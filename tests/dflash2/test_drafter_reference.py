@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,8 +31,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests.engines import run_engine_script
+
 HERE = Path(__file__).resolve()
-LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 DRAFTS = 3
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 23, 41)
@@ -110,9 +110,9 @@ def served(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPa
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 240_000, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-    cmd = ["flock", LOCK, sys.executable, str(HERE), str(target), str(path), json.dumps(prompts), str(MAX_TOKENS)]
+    cmd = [sys.executable, str(HERE), str(target), str(path), json.dumps(prompts), str(MAX_TOKENS)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(HERE.parents[2])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    proc = run_engine_script(cmd, env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')][-1])
     return target, drafter.eval(), result

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from qwen38_plugin.tiny.checkpoints import tiny_config_dict
 from qwen38_plugin.tiny.tokenizer import special_token_ids, write_tokenizer
+from tests.conftest import building
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache" / "tests" / "checkpoints"
@@ -122,13 +123,13 @@ def mm_checkpoint(model_type: str = "qwen4_exp", weights_seed: int | None = None
         digest.update((Path(tiny_config_dict.__code__.co_filename).parent / module).read_bytes())
     weights = "" if weights_seed is None else f"-weights{weights_seed}"
     out = CACHE / f"mm-{model_type}{weights}-{digest.hexdigest()[:16]}"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
-            _write(staging, model_type, weights_seed)
-            staging.rename(out)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+    with building(out):
+        if not out.exists():
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+            try:
+                _write(staging, model_type, weights_seed)
+                staging.rename(out)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
     return out

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 
 from qwen38_plugin import dispatch
 from qwen38_plugin.dispatch import FORCE_ENV, DispatchError, Target, decide, target_of
-from tests.engines import IN_PROCESS
+from tests.engines import IN_PROCESS, run_engine_script
 
 HERE = Path(__file__).resolve().parent
 CUDA_90, CUDA_70, ROCM = ("cuda", (9, 0)), ("cuda", (7, 0)), ("rocm", None)
@@ -246,8 +245,8 @@ def test_cpu_engine_serves_fp16_through_the_portable_model(tiny_checkpoint: Call
     prompts = [torch.randint(0, 248_000, (n,), generator=gen).tolist() for n in (2, 21)]
     env = {k: v for k, v in os.environ.items() if k != FORCE_ENV} | {"VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     args = [str(model), "float16", str(STEPS), json.dumps(prompts), json.dumps({"max_num_seqs": 4})]
-    cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    cmd = [sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
+    proc = run_engine_script(cmd, env)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     chose = [line for line in log.splitlines() if "qwen38_plugin chose" in line]

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.engines import IN_PROCESS
+from tests.engines import IN_PROCESS, run_engine_script
 from tests.qwen38_plugin.mm_checkpoint import mm_model_checkpoint
 from tests.qwen38_plugin.mm_inputs import IMAGE, VIDEO, hf_reference
 
@@ -63,8 +62,8 @@ def served() -> list[dict[str, Any]]:
                   "enable_prefix_caching": True, "disable_log_stats": False}  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     args = [str(model), json.dumps([PHASE1, PHASE2]), json.dumps(llm_kwargs)]
-    cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_mm_engine.py"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200, check=False)
+    cmd = [sys.executable, str(HERE / "qwen38_mm_engine.py"), *args]
+    proc = run_engine_script(cmd, env, timeout=1200)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-8000:]
     assert "Qwen4ExpForConditionalGeneration: portable (qwen38_plugin) implementation (CPU platform)" in log

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import pytest
 
 from qwen38_plugin.tiny.checkpoints import add_mtp_head
-from tests.engines import IN_PROCESS
+from tests.engines import IN_PROCESS, run_engine_script
 from tests.qwen38_plugin.mm_checkpoint import mm_model_checkpoint
 from tests.qwen38_plugin.mm_inputs import IMAGE, VIDEO, hf_reference
 from tests.qwen38_plugin.test_qwen38_spec_verify_engine import TWO_TOKENS, two_token_checkpoint
@@ -56,8 +55,8 @@ def test_mtp_on_the_multimodal_model_keeps_greedy_output(model: Path) -> None:
                   "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     args = [str(model), json.dumps([REQUESTS]), json.dumps(llm_kwargs)]
-    cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_mm_engine.py"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200, check=False)
+    cmd = [sys.executable, str(HERE / "qwen38_mm_engine.py"), *args]
+    proc = run_engine_script(cmd, env, timeout=1200)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-8000:]
     assert "Qwen4ExpForConditionalGeneration: portable (qwen38_plugin) implementation (CPU platform)" in log

@@ -13,7 +13,6 @@ media, as the server does) through its processor.
 from __future__ import annotations
 
 import base64
-import fcntl
 import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,10 +20,10 @@ from typing import Any
 
 import pytest
 
+from tests.engines import engine_cores
 from tests.qwen38_plugin.mm_checkpoint import mm_model_checkpoint
 from tests.qwen38_plugin.mm_inputs import hf_process, hf_run, load_hf_model, make_image
 
-LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 STEPS = 8
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", "128",
                "--chat-template-content-format", "string"]  # fmt: skip
@@ -33,8 +32,7 @@ SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-batch
 @pytest.fixture(scope="module")
 def served(start_server: Callable[..., Any]) -> Iterator[tuple[Path, Any]]:
     model = mm_model_checkpoint()
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with engine_cores():
         server = start_server(model, SERVER_ARGS)
         try:
             yield model, server

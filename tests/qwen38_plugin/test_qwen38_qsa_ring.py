@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 from transformers import AutoConfig
 
 from qwen38_plugin.ops import qsa
-from tests.engines import IN_PROCESS
+from tests.engines import IN_PROCESS, run_engine_script
 from tests.qwen38_plugin.test_qwen38_vllm_engine import STEPS, mixed_prompts, reference_greedy
 
 HERE = Path(__file__).resolve().parent
@@ -137,8 +136,8 @@ def _engine(model: Path, prompts: list[list[int]], **llm_kwargs: Any) -> tuple[i
     """(exit status, greedy tokens or None, the whole log) of an engine run in a subprocess."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     args = [str(model), "float32", str(STEPS), json.dumps(prompts), json.dumps(llm_kwargs)]
-    cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    cmd = [sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
+    proc = run_engine_script(cmd, env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
     tokens = json.loads(lines[-1])["tokens"] if lines else None
     return proc.returncode, tokens, proc.stdout + proc.stderr

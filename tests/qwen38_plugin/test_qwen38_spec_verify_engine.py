@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engines import IN_PROCESS
+from tests.engines import IN_PROCESS, run_engine_script
 from tests.qwen38_plugin.qwen38_reference import load_reference, reference_greedy_one
 from tests.qwen38_plugin.test_qwen38_tp_engine import engine_result
 from tests.qwen38_plugin.test_qwen38_vllm_engine import mixed_prompts
@@ -45,8 +44,8 @@ TWO_TOKENS = (1_000, 2_000)
 def run_engine(model: Path, num_spec: int, prompts: list[list[int]], **llm_kwargs: Any) -> dict[str, Any]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     args = [str(model), "float32", str(STEPS), json.dumps(prompts), str(num_spec), json.dumps(llm_kwargs)]
-    cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_verify.py"), *args]
-    return engine_result(subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False))
+    cmd = [sys.executable, str(HERE / "qwen38_engine_verify.py"), *args]
+    return engine_result(run_engine_script(cmd, env))
 
 
 def two_token_checkpoint(source: Path, target: Path, scale: float = 1.0) -> Path:

@@ -26,11 +26,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engines import IN_PROCESS
+from tests.engines import IN_PROCESS, run_engine_script
 from tests.qwen38_plugin.test_qwen38_vllm_engine import STEPS, mixed_prompts, reference_greedy
 
 HERE = Path(__file__).resolve().parent
-LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 # Room for a few of the requests at once (each takes one block per GDN layer and per QSA cache
 # for every started KV block); the long prompts then need new blocks while decoding.
 ENGINE_ARGS: dict[str, Any] = {
@@ -46,12 +45,10 @@ ENGINE_ARGS: dict[str, Any] = {
 
 def start_engine(model: Path, tp: int, prompts: list[list[int]], **overrides: Any) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
-    if tp > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one core per rank
     extra = {**ENGINE_ARGS, "tensor_parallel_size": tp, "solo": True, **overrides}
     args = [str(model), "float32", str(STEPS), json.dumps(prompts), json.dumps(extra)]
-    cmd = ["flock", LOCK, sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    cmd = [sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
+    return run_engine_script(cmd, env, cores=tp)  # one core per rank
 
 
 def engine_result(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tests.engines import IN_PROCESS
+from tests.engines import IN_PROCESS, run_engine_script
 from tests.qwen38_plugin.qwen38_reference import (
     NEAR_TIE,
     assert_greedy_equal_until_near_tie,
@@ -36,8 +35,8 @@ def run_engine(model: Path, dtype: str, prompts: list[list[int]], **llm_kwargs: 
     """Greedy tokens from a vLLM engine started in a subprocess (its engine core in that process)."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
     args = [str(model), dtype, str(STEPS), json.dumps(prompts), json.dumps(llm_kwargs)]
-    cmd = ["flock", "/tmp/qwen38-vllm.lock", sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
+    cmd = [sys.executable, str(HERE / "qwen38_engine_greedy.py"), *args]
+    proc = run_engine_script(cmd, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = [line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
     assert result, proc.stdout[-3000:] + proc.stderr[-6000:]

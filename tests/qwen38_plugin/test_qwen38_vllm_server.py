@@ -4,7 +4,6 @@ hits the prefix cache produces the same tokens as a cold (uncached) run."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import re
 import urllib.request
@@ -16,16 +15,14 @@ from typing import Any
 import pytest
 import torch
 
+from tests.engines import engine_cores
 from tests.qwen38_plugin.test_qwen38_vllm_engine import STEPS, mixed_prompts, reference_greedy
-
-LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint: Callable[..., Path], start_server: Callable[..., Any]) -> Iterator[tuple[Path, Any]]:
     model = tiny_checkpoint("qwen4_exp_text", dtype="float32")
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with engine_cores():
         # A small step budget splits the long prompts into chunks; prefix caching is on by default.
         server = start_server(
             model,

@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sm70_backend.kernels import awq_reference as ref
+from tests.conftest import building
 
 DECODER_LINEARS = r"\.layers\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
 QWEN4EXP_QUANTIZED = (
@@ -55,6 +56,13 @@ def build_awq_pair(
     quantize: str = DECODER_LINEARS,
 ) -> tuple[Path, Path]:
     """(awq_dir, dequantized_dir) under ``out``, built once; ``quantize`` selects the weights."""
+    with building(out):
+        return _build_awq_pair(source, out, group_size, qconfig, quantize)
+
+
+def _build_awq_pair(
+    source: Path, out: Path, group_size: int, qconfig: dict[str, Any] | None, quantize: str
+) -> tuple[Path, Path]:
     awq_dir, fp16_dir = out / "awq", out / "dequantized"
     if awq_dir.is_dir() and fp16_dir.is_dir():
         return awq_dir, fp16_dir

@@ -5,7 +5,7 @@
 Writes the quantization vLLM chose, the quantization method class of every linear layer, the
 attention implementation class of every attention layer, the dtype of every parameter, and for
 each prompt the greedy tokens with their logprobs and the prompt logprobs (of the prompt's own
-tokens). Run as a subprocess (engine processes spawn), under the shared engine lock.
+tokens). Run as a subprocess (engine processes spawn), holding an engine core (`tests.engines.engine_cores`).
 
 On a GPU, ``SM70_ENGINE_ATTENTION_BACKEND`` names the attention backend to ask for (e.g.
 ``FLASH_ATTN_V100``, which vLLM picks by itself only on compute capability 7.x) and

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import build_cached_checkpoint
-from tests.engines import IN_PROCESS
-from tests.sm70_backend.test_awq_engine import LOCK, TOL, worst_logprob_error
+from tests.engines import IN_PROCESS, run_engine_script
+from tests.sm70_backend.test_awq_engine import TOL, worst_logprob_error
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,14 +31,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("v100_cpu") / "engine.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT), **IN_PROCESS}
     cmd = [
-        "flock",
-        LOCK,
         sys.executable,
         str(Path(__file__).parent / "attention_cpu_engine_run.py"),
         str(model),
         str(out),
     ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    result = run_engine_script(cmd, env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     data: dict[str, Any] = json.loads(out.read_text())
     data["model"] = model

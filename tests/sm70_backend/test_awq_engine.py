@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import CACHE, build_cached_checkpoint
-from tests.engines import IN_PROCESS
+from tests.conftest import CACHE, build_cached_checkpoint, building
+from tests.engines import IN_PROCESS, run_engine_script
 from tests.sm70_backend.awq_checkpoint import (
     QWEN4EXP_NOT_CONVERTED,
     QWEN4EXP_QUANTIZED,
@@ -44,7 +43,6 @@ from tests.sm70_backend.awq_checkpoint import (
 )
 
 HERE = Path(__file__).parent
-LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 TOL = 0.01
 
 
@@ -54,8 +52,9 @@ def source_checkpoint(model: str) -> Path:
     from tests.csf_loader.tiny_moe import build_tiny_qwen3_moe
 
     out = CACHE / "awq_sm70" / "qwen3_moe-source"
-    if not out.is_dir():
-        build_tiny_qwen3_moe(out)
+    with building(out):
+        if not out.is_dir():
+            build_tiny_qwen3_moe(out)
     return out
 
 
@@ -64,14 +63,14 @@ MODELS = {"qwen3": (8, 0), "qwen3_moe": (4, 2)}
 
 
 def run_engine(awq_dir: Path, tmp: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """awq_engine_run.py on ``awq_dir`` under the engine lock; its JSON plus the engine's log."""
+    """awq_engine_run.py on ``awq_dir`` holding an engine core; its JSON plus the engine's log."""
     out = tmp / "engine.json"
     env = dict(
-        os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
         **(env or {}),
     )  # fmt: skip
-    cmd = ["flock", LOCK, sys.executable, str(HERE / "awq_engine_run.py"), str(awq_dir), str(out)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    cmd = [sys.executable, str(HERE / "awq_engine_run.py"), str(awq_dir), str(out)]
+    result = run_engine_script(cmd, env)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]
     data: dict[str, Any] = json.loads(out.read_text())

@@ -13,13 +13,12 @@ solo tokens.
 The size of the load comes from the environment: `SOAK_REQUESTS` (default 40),
 `SOAK_CONCURRENCY` (default 8), `SOAK_SEED` (default 0). `make test` runs the default;
 `make soak` runs 240 requests, 32 at once (about 8 minutes on 2 cores). The report is printed and written to
-`.cache/tests/soak-report.json`. The server start takes the shared engine lock itself.
+`.cache/tests/soak-report.json`. The server holds an engine core (`tests.engines.engine_cores`) while it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import os
 from collections.abc import Iterator
@@ -30,12 +29,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.engines import engine_cores
 from tests.registrations import PLUGINS, assert_registered_in_every_process
 from tests.soak.driver import Job, Sender, SoakConfig, SoakReport, difference, metrics, run, settle, tokenize
 from tests.soak.faults import Fault, faults, send_fault, tree_request
 from tests.tool_parsers.forced_output import CLASS_PATH
 
-LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 ROOT = Path(__file__).resolve().parents[2]
 REPORT = ROOT / ".cache" / "tests" / "soak-report.json"
 
@@ -137,8 +136,7 @@ def served(start_server: Any, tiny_checkpoint: Any) -> Iterator[Served]:
         "TOOL_PARSERS_MAX_N": str(MAX_N),
         "TOOL_PARSERS_BODY_TIMEOUT_SECONDS": str(BODY_TIMEOUT),
     }
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with engine_cores():
         server = start_server(model, SERVER_ARGS, env=env)
         try:
             canary = canary_job()

@@ -10,12 +10,11 @@ by token through the test-support logits processor in `forced_output.py`, loaded
 with vLLM's own `--logits-processors` flag. Every case compares the streamed
 response, joined, with the non-streamed one.
 
-The server start takes the shared engine lock (/tmp/qwen38-vllm.lock) itself.
+The server holds an engine core (`tests.engines.engine_cores`) while it runs.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -29,11 +28,11 @@ import httpx
 import openai
 import pytest
 
+from tests.engines import engine_cores
 from tests.registrations import assert_registered_in_every_process
 from tests.tool_parsers.forced_output import CLASS_PATH, FORCED_IDS_KEY, SLEEP_KEY
 from tests.tool_parsers.qwen38_harness import Qwen38Harness, render_call
 
-LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 ROOT = Path(__file__).resolve().parents[2]
 STALL_SECONDS = 1
 # The plugins this server loads (`VLLM_PLUGINS`): what it serves needs tool_parsers alone.
@@ -102,8 +101,7 @@ LOOSE_TOOLS: list[dict[str, Any]] = [
 @pytest.fixture(scope="module")
 def server(start_server: Any, tiny_checkpoint: Any) -> Iterator[Any]:
     model = tiny_checkpoint("qwen3")
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with engine_cores():
         # The repository root (for the test-support logits processor) before any given path,
         # so a checkout that puts its own plugin sources on PYTHONPATH serves those.
         pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
