@@ -9,14 +9,15 @@ projection on w, so the head's drafts are accepted often. ``w`` is scaled by 0.5
 ``allowed_token_ids`` [X, Y] at temperature 1 the target's distribution is spread over the two
 (P(X) = sigmoid(2 w . h), between about 0.1 and 0.9 on the prompt sampled here).
 
-Three servers, one at a time (each runs its whole workload once, then stops; the tests read the
-results): with ``{"method": "mtp", "num_speculative_tokens": 3}``, the same with dflash2's
-concurrency ladder (``dflash_concurrency_drafts``: stock's per-batch-size schedule,
-which stock's scheduler applies to any proposer, MTP included), and a DFlash drafter (dflash2's
-tiny random drafter through a ``dflash2-view`` with ``hc_mean``, 3 drafts; its drafts share the
-target's lm_head, so they are X or Y and some are accepted). fp32, ``--no-enable-prefix-caching``
-(required with speculation on CPU), 48-token steps so long prompts prefill in chunks next to verify
-rows.
+Two servers, one after the other (each runs its whole workload once, then stops; the tests read
+the results): MTP, ``{"method": "mtp", "num_speculative_tokens": 3}`` with dflash2's concurrency
+ladder (``dflash_concurrency_drafts``: stock's per-batch-size schedule, which stock's scheduler
+applies to any proposer, MTP included; here 1 scheduled request verifies 3 drafts, 2-4 verify 2,
+5-7 verify 1 and 8 or more verify 3 again, so the greedy requests change width as they finish and
+the sampling batches verify all 3), and a DFlash drafter (dflash2's tiny random drafter through a
+``dflash2-view`` with ``hc_mean``, 3 drafts; its drafts share the target's lm_head, so they are X
+or Y and some are accepted). fp32, ``--no-enable-prefix-caching`` (required with speculation on
+CPU), 48-token steps so long prompts prefill in chunks next to verify rows.
 
 - Greedy: 4 completions (token prompts of 1-70 tokens) and 3 chat completions, concurrent, 24
   tokens each: the same token ids from every server as transformers' greedy decoding of the target
@@ -37,7 +38,6 @@ rows.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import itertools
 import json
@@ -56,26 +56,25 @@ import torch
 
 from dflash2.tiny import build_tiny_drafter
 from dflash2.view import make_view
+from tests.engines import engine_cores
 from tests.qwen38_plugin.qwen38_reference import load_reference, reference_greedy_one
 from tests.qwen38_plugin.test_qwen38_spec_verify_engine import MTP, TWO_TOKENS, two_token_checkpoint
 from tests.qwen38_plugin.test_qwen38_vllm_engine import mixed_prompts
 
-LOCK = "/tmp/qwen38-vllm.lock"  # engines on this machine run one at a time
 STEPS = 24
 NUM_SPEC = 3
 K = 5  # sampled tokens per sample: the prefill's token, then a verify step of 3 drafts + 1
 N_REQUESTS, N_PER_REQUEST = 8, 64  # N = 512 samples per speculative server
 ALPHA = 1e-3
 SCALE = 0.5
-LADDER = {"2": 2, "5": 1}  # 1 running request: 3 drafts, 2-4: 2, 5 or more: 1
+LADDER = {"2": 2, "5": 1, "8": 3}  # scheduled requests: 1 verifies 3 drafts, 2-4: 2, 5-7: 1, 8 or more: 3
 CONFIGS: dict[str, list[str]] = {
-    "mtp": ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": NUM_SPEC})],
-    "ladder": [
+    "mtp": [
         "--speculative-config",
         json.dumps({"method": "mtp", "num_speculative_tokens": NUM_SPEC, "dflash_concurrency_drafts": LADDER}),
     ],
 }
-SERVERS = ("mtp", "ladder", "dflash")
+SERVERS = ("mtp", "dflash")
 CHATS = ["Hello, how are you?", "Write a haiku about the sea.", "1 2 3 4 5 6 7 8 9"]
 SAMPLE_PROMPT = list(range(3_000, 3_012))
 
@@ -215,8 +214,7 @@ def dflash_view(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def results(model: Path, dflash_view: Path, start_server: Callable[..., Any]) -> Iterator[Results]:
     dflash = {"method": "dflash", "model": str(dflash_view), "num_speculative_tokens": NUM_SPEC}
     configs = {**CONFIGS, "dflash": ["--speculative-config", json.dumps(dflash)]}
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with engine_cores():
         yield Results(model, start_server, configs)
 
 
@@ -350,6 +348,6 @@ def test_metrics_count_accepted_drafts(results: Results, name: str) -> None:
     assert all(a >= b for a, b in itertools.pairwise(per_position))  # accepted after accepted
     # the MTP head is the target's own layer on the two-token model; the DFlash drafter is random
     assert rate > (0.3 if name != "dflash" else 0.0)
-    if name == "ladder":  # many running requests verify fewer drafts
-        assert draft_tokens < 2 * drafts
+    if name == "mtp":  # the ladder: some steps verified fewer than all drafts
+        assert draft_tokens < NUM_SPEC * drafts
         assert "dflash2: dflash_concurrency_drafts" in results(name)["log"]
