@@ -82,8 +82,10 @@ class ServerFactory(Protocol):
     ) -> VllmServer: ...
 
 
-# Servers started by `start_server` that are still tracked: a failing test reports the log of
-# any that has exited on its own (CI shows a test's report, not the log files under .cache).
+# Servers started by `start_server` in the running module: a failing test's report carries the
+# end of each one's log (CI shows a test's report, not the log files under .cache/tests/logs). A
+# server whose engine died may still be shutting down when the test stops it, so every server of
+# the module is reported, with its state.
 _SERVERS: list[VllmServer] = []
 
 
@@ -93,10 +95,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.failed:
         for server in _SERVERS:
             code = server.process.poll() if server.process is not None else None
-            if code is not None and not server.stopped:
-                report.sections.append(
-                    (f"vLLM server exited with code {code} ({server.log_path})", server.log()[-8000:])
-                )
+            if code is None:
+                state = "running"
+            elif server.stopped:
+                state = f"stopped by the test (exit code {code})"
+            else:
+                state = f"exited by itself with code {code}"
+            report.sections.append((f"vLLM server log, {state} ({server.log_path})", server.log()[-8000:]))
     return report
 
 
