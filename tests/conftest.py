@@ -111,15 +111,14 @@ def start_server(request: pytest.FixtureRequest) -> Iterator[ServerFactory]:
 
     Servers take about a minute to start on 2 cores: start one per module, not per test.
     """
-    servers = _SERVERS
 
     def start(model: Path | str, args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> VllmServer:
-        name = f"{request.module.__name__.rsplit('.', 1)[-1]}-{len(servers)}"
+        name = f"{request.module.__name__.rsplit('.', 1)[-1]}-{len(_SERVERS)}"
         server = VllmServer(model, args, env=env, log_path=CACHE / "logs" / f"{name}.log")
-        servers.append(server)
+        _SERVERS.append(server)
         return server.start()
 
     yield start
-    for server in servers:
+    for server in _SERVERS:
         server.stop()
-    servers.clear()
+    _SERVERS.clear()

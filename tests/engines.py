@@ -39,34 +39,37 @@ def _lock_file(core: int) -> Path:
 
 
 @contextlib.contextmanager
-def engine_cores(count: int = 1) -> Iterator[str]:
-    """Hold ``count`` engine cores (1, or 2 for a two-rank engine) while an engine runs, blocking
-    until they are free; yields the ``VLLM_CPU_OMP_THREADS_BIND`` value for them ("1", or "0|1"),
-    which is also set in ``os.environ`` for the duration, so a server or engine subprocess started
-    inside binds to them."""
-    if count not in (1, 2) or count > len(CORES):
+def hold_cores(count: int = 1) -> Iterator[list[int]]:
+    """Hold ``count`` engine cores (1, or all of `CORES`), blocking until they are free; yields
+    their ids. One core: this xdist worker's own if free, else any free one, else wait for its own."""
+    if count not in (1, len(CORES)):
         raise ValueError(f"count: an engine holds 1 or {len(CORES)} cores on this machine, got {count}")
     with contextlib.ExitStack() as stack:
         files = {core: stack.enter_context(open(_lock_file(core), "w")) for core in CORES}
         if count == len(CORES):
-            held = list(CORES)
-            for core in held:  # in ascending order: two engines taking both cores cannot deadlock
+            for core in CORES:  # in ascending order: two holders of every core cannot deadlock
                 fcntl.flock(files[core], fcntl.LOCK_EX)
-        else:
-            worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-            preferred = CORES[int(worker) % len(CORES)] if worker.isdigit() else CORES[0]
-            order = [preferred, *(c for c in CORES if c != preferred)]
-            held = []
-            for core in order:
-                try:
-                    fcntl.flock(files[core], fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                held = [core]
-                break
-            if not held:
-                fcntl.flock(files[preferred], fcntl.LOCK_EX)
-                held = [preferred]
+            yield list(CORES)
+            return
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        preferred = CORES[int(worker) % len(CORES)] if worker.isdigit() else CORES[0]
+        for core in [preferred, *(c for c in CORES if c != preferred)]:
+            try:
+                fcntl.flock(files[core], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            yield [core]
+            return
+        fcntl.flock(files[preferred], fcntl.LOCK_EX)
+        yield [preferred]
+
+
+@contextlib.contextmanager
+def engine_cores(count: int = 1) -> Iterator[str]:
+    """`hold_cores` for an engine (1 core, or 2 for a two-rank engine); yields the
+    ``VLLM_CPU_OMP_THREADS_BIND`` value for them ("1", or "0|1"), which is also set in
+    ``os.environ`` for the duration, so a server or engine subprocess started inside binds to them."""
+    with hold_cores(count) as held:
         bind = "|".join(str(core) for core in held)
         previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
