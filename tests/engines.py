@@ -14,8 +14,9 @@ registers in each of the three).
 per rank. `scripts/test.sh` runs the suite in two pytest-xdist workers, so two single-rank engines
 can run at once, each with its worker's OpenMP thread bound to a core of its own; a two-rank engine
 holds both cores. The cores are taken through lock files in /tmp, so separate pytest runs on one
-machine share them too. Two engines bound to the same core (vLLM's automatic binding picks core 0
-for each), or OpenMP threads spin-waiting on a busy core, make a run several times slower.
+machine share them too; a benchmark holds all of them (`python tests/engines.py CMD`). Two engines
+bound to the same core (vLLM's automatic binding picks core 0 for each), or OpenMP threads
+spin-waiting on a busy core, make a run several times slower.
 """
 
 from __future__ import annotations
@@ -93,3 +94,14 @@ def run_engine_script(
             list(cmd), env={**env, "VLLM_CPU_OMP_THREADS_BIND": bind}, capture_output=True, text=True,
             timeout=timeout, check=False,
         )  # fmt: skip
+
+
+if __name__ == "__main__":
+    # `python tests/engines.py CMD ...`: run CMD holding every engine core (a benchmark measuring
+    # alone: no engine of the tests runs meanwhile); exits with CMD's status.
+    import sys
+
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python tests/engines.py CMD [ARG ...]  (runs CMD holding every engine core)")
+    with hold_cores(len(CORES)):
+        raise SystemExit(subprocess.call(sys.argv[1:]))

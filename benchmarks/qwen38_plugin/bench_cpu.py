@@ -19,8 +19,8 @@ Peak memory is the sum of the peak RSS (VmHWM) of the measuring process and its 
 descendants (vLLM's engine core and worker processes included).
 Prints the ratios ours / transformers.
 
-Same conditions for both sides: both children run under /tmp/qwen38-vllm.lock (no other vLLM
-engine of this repository's tests runs meanwhile), in the same dtype (``--dtype``), and with
+Same conditions for both sides: both children hold every engine core of tests/engines.py (no
+other vLLM engine of this repository's tests runs meanwhile), in the same dtype (``--dtype``), and with
 ``--threads N`` on the same N cores: transformers with ``torch.set_num_threads(N)``, vLLM's CPU
 worker with ``VLLM_CPU_OMP_THREADS_BIND=0-(N-1)``. ``--threads auto`` keeps each side's own
 default instead: torch uses every core, while vLLM's CPU worker binds its threads to all cores
@@ -210,8 +210,8 @@ def run_child(
     cmd = [sys.executable, __file__, "--child", kind, "--config", name, "--concurrency", str(args.concurrency),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype,
            "--threads", args.threads, "--repeats", str(args.repeats)]  # fmt: skip
-    # Both sides under the lock the repository's engine tests take, so neither competes with them.
-    cmd = ["flock", "/tmp/qwen38-vllm.lock", *cmd]
+    # Both sides hold every engine core the repository's tests take, so neither competes with them.
+    cmd = [sys.executable, str(ROOT / "tests" / "engines.py"), *cmd]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **(extra_env or {})}
     if args.threads != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{int(args.threads) - 1}"

@@ -1,6 +1,6 @@
 """Which code issues how many ops in one decode step of the portable Qwen4Exp inside stock vLLM (CPU).
 
-    flock /tmp/qwen38-vllm.lock .venv/bin/python benchmarks/qwen38_plugin/count_ops.py \\
+    .venv/bin/python tests/engines.py .venv/bin/python benchmarks/qwen38_plugin/count_ops.py \\
         [--config medium] [--dtype bfloat16] [--batches 1,4] [--prompt-len 128] [--model DIR] [--qsa-triton]
         [--top 40] [--out FILE]
 
@@ -541,7 +541,7 @@ def main() -> None:
     print(text)
     print("\n".join(f"# {note}" for note in notes))
     if args.out:
-        command = " ".join(["flock /tmp/qwen38-vllm.lock .venv/bin/python", *sys.argv])
+        command = " ".join([".venv/bin/python tests/engines.py .venv/bin/python", *sys.argv])
         machine = f"{os.cpu_count()} CPUs, torch {torch_version()}, vLLM {vllm_version()}"
         header = [
             f"command: {command}",

@@ -14,7 +14,7 @@ What it measures. For each model (``ours``: the tiny checkpoint builder's ``qwen
 ``--config``, six KV-cache groups; ``peer``: a random stock ``Qwen3MoeForCausalLM`` of the same
 geometry, one group; both built as bench_gpu.py builds them) and each prefix-caching setting, one
 child process runs ``vllm.LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler, KV
-cache manager and model runner in one Python process) under /tmp/qwen38-vllm.lock. For each batch
+cache manager and model runner in one Python process) holding every engine core (tests/engines.py). For each batch
 B it submits B requests of ``--prompt-len`` random tokens (distinct per request, so no prefix hits)
 decoding ``--new-tokens`` tokens (``ignore_eos``) once as a warm-up and ``--repeats`` times measured. During the
 measured run, wrappers with ``time.perf_counter`` (inclusive times; a method nested in another is
@@ -67,7 +67,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCK = "/tmp/qwen38-vllm.lock"
 
 # Columns of the table: label, header. Labels are the timer names (see the docstring).
 COLUMNS: list[tuple[str, str]] = [
@@ -345,8 +344,8 @@ def build_models(args: argparse.Namespace) -> dict[str, Path]:
 
 def run_child(args: argparse.Namespace, model: Path, prefix: str) -> dict[str, Any]:
     cmd = [
-        "flock",
-        LOCK,
+        sys.executable,
+        str(ROOT / "tests" / "engines.py"),  # holds every engine core of the repository's tests meanwhile
         sys.executable,
         str(Path(__file__).resolve()),
         "--child",
