@@ -28,7 +28,10 @@ generates, then measure both inside stock vLLM against no speculation, in one ru
    the target's embedding and lm_head frozen) is trained teacher-forced to predict token p + 2 from
    the streams at p and token p + 1 (cross entropy, AdamW), one sequence per step; the loss and the
    head's top-1 agreement with the target on held-out sequences are printed before and after.
-   The trained ``mtp.*`` tensors go into a copy of the checkpoint under their on-disk names.
+   After training, the reference's acceptance length for the head's chained drafts (each draft
+   step reading the previous one's output streams, which training never shows it) at random
+   places in the held-out text. The trained ``mtp.*`` tensors go into a copy of the checkpoint
+   under their on-disk names.
    Skipped without ``mtp`` in ``--methods``.
 3. ``dflash-train`` (this process, plain torch on the GPU; without ``dflash`` in ``--methods``,
    skipped): a DFlash drafter for the target (`dflash_config_for`: ``--dflash-layers`` causal
@@ -53,7 +56,8 @@ generates, then measure both inside stock vLLM against no speculation, in one ru
    after training) and with the trained DFlash drafter (``dflash{K}-trained``, ``--dflash-drafts`` K;
    the portable model refuses DFlash beside prefix caching, so all settings run without it and the
    ratios compare speculation alone); the acceptance length (1 + accepted drafts per verify step, from vLLM's
-   spec-decode counters) and the speed-up against no speculation. Targets (issue 12): acceptance
+   spec-decode counters; also the share of verify steps that kept each draft position) and the
+   speed-up against no speculation. Targets (issue 12): acceptance
    length >= 2.5 and >= 1.8x at concurrency 1.
 
 Each stage's result is kept under ``--work`` (the pretrained and the head-trained checkpoints, the
@@ -88,6 +92,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
 
+from batched_qsa_indexer import batched_qsa_indexer  # noqa: E402  (transformers' QSA indexer without its loop)
 from bench_cpu import CONFIGS  # noqa: E402  (the model geometries of the CPU and GPU benchmarks)
 from bench_gpu import finish_child, timed_greedy  # noqa: E402  (children's results; a timed greedy run)
 
@@ -199,7 +204,7 @@ def pretrain(args: argparse.Namespace, model: Path, corpus: Path, device: str) -
     if report_file.exists():
         return destination, json.loads(report_file.read_text())
     train_ids, held_out = torch.load(corpus)
-    with reference_gated_delta_rule(device):
+    with reference_gated_delta_rule(device), batched_qsa_indexer():
         return _pretrain(args, model, train_ids, held_out, device, destination)
 
 
@@ -242,7 +247,9 @@ def _pretrain(
     def held_out_loss() -> float:
         net.eval()
         with torch.no_grad(), autocast:
-            losses = [float(net(input_ids=(w := windows(held_out, batch)), labels=w).loss) for _ in range(4)]
+            losses = [
+                float(net(input_ids=(w := windows(held_out, batch)), labels=w, use_cache=False).loss) for _ in range(4)
+            ]
         net.train()
         return sum(losses) / len(losses)
 
@@ -258,7 +265,7 @@ def _pretrain(
             group["lr"] = args.pretrain_lr * warmup_cosine(done)
         ids = windows(train_ids, batch)
         with autocast:
-            loss = net(input_ids=ids, labels=ids).loss
+            loss = net(input_ids=ids, labels=ids, use_cache=False).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -340,14 +347,19 @@ def child_generate(args: argparse.Namespace) -> dict[str, Any]:
     return {"sequences": [list(o.prompt_token_ids or []) + list(o.outputs[0].token_ids) for o in outputs]}
 
 
-def spec_counters(llm: Any) -> dict[str, float]:
-    from vllm.v1.metrics.reader import Counter
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's spec-decode counters, and the accepted drafts by draft position (a list)."""
+    from vllm.v1.metrics.reader import Counter, Vector
 
-    return {
-        m.name.removeprefix("vllm:"): m.value
-        for m in llm.get_metrics()
-        if m.name.startswith("vllm:spec_decode_num") and isinstance(m, Counter)
-    }
+    counters: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:spec_decode_num"):
+            continue
+        if isinstance(m, Counter):
+            counters[m.name.removeprefix("vllm:")] = m.value
+        elif isinstance(m, Vector):
+            counters[m.name.removeprefix("vllm:")] = list(m.values)
+    return counters
 
 
 def child_measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -362,18 +374,30 @@ def child_measure(args: argparse.Namespace) -> dict[str, Any]:
         def run(max_tokens: int, inputs: list[TokensPrompt] = inputs) -> float:
             return timed_greedy(llm, inputs, max_tokens)
 
-        run(4)  # warm-up at this batch size
+        run(4)  # warm-up at this batch size, both run lengths
+        run(1)
         prefill = min(run(1) for _ in range(args.repeats))
         before = spec_counters(llm)
         totals = [run(args.new_tokens) for _ in range(args.repeats)]
         after = spec_counters(llm)
         total = min(totals)
-        row: dict[str, Any] = {"decode_tok_s": batch * (args.new_tokens - 1) / max(total - prefill, 1e-9)}
+        row: dict[str, Any] = {"prefill_s": prefill, "total_s": total}
+        if total > prefill:
+            row["decode_tok_s"] = batch * (args.new_tokens - 1) / (total - prefill)
+        else:
+            # (2026-12-02, plain at batch 64: the 1-token runs were the slower ones, a compile among them)
+            row["error"] = (f"decode time not measurable: {args.new_tokens} tokens took {total:.3f} s, no more "
+                            f"than the {prefill:.3f} s of a 1-token run")  # fmt: skip
         drafts = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
         if drafts:
             accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
             row["acceptance_length"] = 1 + accepted / drafts
             row["verify_steps"] = drafts / args.repeats
+            by_position = after.get("spec_decode_num_accepted_tokens_per_pos")
+            if by_position is not None:
+                earlier = before.get("spec_decode_num_accepted_tokens_per_pos") or [0] * len(by_position)
+                # the share of verify steps that accepted draft k (vLLM counts a draft only after all before it)
+                row["accepted_by_position"] = [(a - b) / drafts for a, b in zip(by_position, earlier, strict=True)]
         results[str(batch)] = row
         print("RESULT " + json.dumps(results), flush=True)
     return results
@@ -462,6 +486,62 @@ def evaluate(core: Any, head: Any, streams: list[Any], sequences: list[list[int]
     return {"loss": float(sum(p[0] for p in pairs) / len(pairs)), "top1": float(sum(p[1] for p in pairs) / len(pairs))}
 
 
+def chain_acceptance(
+    core: Any, head: Any, streams: list[Any], sequences: list[list[int]], drafts: int, device: str, anchors: int = 16
+) -> dict[str, Any]:
+    """The acceptance length greedy verification would give the head's chained drafts (each draft
+    step reading the previous one's output streams and token, as vLLM's proposer runs it), at
+    ``anchors`` random places in each held-out sequence's generated text: what vLLM should measure.
+    Training teaches the first draft only (from the target's streams), so this tells how much the
+    later drafts get from it."""
+    import torch
+
+    from dflash2.drafter_reference import expected_acceptance_length
+    from qwen38_plugin.mtp_reference import MTPCache
+
+    gen = torch.Generator().manual_seed(0)
+    hits = []
+    with torch.no_grad():
+        for target, seq in zip(streams, sequences, strict=True):
+            ids = torch.tensor(seq, device=device)
+            # a: the target has read positions 0 .. a and token a + 1 is the one just sampled (generated:
+            # a + 1 >= PROMPT_LEN); the drafts predict tokens a + 2 .. a + 1 + drafts
+            low, high = PROMPT_LEN - 1, len(seq) - 1 - drafts
+            if high <= low:
+                continue
+            for a in torch.randint(low, high, (anchors,), generator=gen).tolist():
+                cache = MTPCache()
+                out, logits = head.step(
+                    core, target[: a + 1], ids[1 : a + 2], torch.arange(a + 1, device=device), cache
+                )
+                out, token, row = out[-1:], logits[-1].argmax(-1).view(1), []
+                for j in range(drafts):
+                    row.append(bool(token == ids[a + 2 + j]))
+                    if j + 1 < drafts:
+                        out, logits = head.step(core, out, token, torch.tensor([a + 1 + j], device=device), cache)
+                        token = logits[-1].argmax(-1).view(1)
+                hits.append(row)
+    correct = torch.tensor(hits, dtype=torch.bool).view(-1, drafts)
+    top1 = [round(float(x), 4) for x in correct.float().mean(0)]
+    return {"drafts": drafts, "anchors": len(hits), "top1_by_position": top1,
+            "expected_acceptance_length": expected_acceptance_length(correct)}  # fmt: skip
+
+
+def text_statistics(sequences: list[list[int]]) -> dict[str, Any]:
+    """How repetitive the generated text is (PROMPT_LEN on): its share of the single most frequent
+    token, and the distinct tokens per sequence (a briefly trained target can write one token forever)."""
+    generated = [seq[PROMPT_LEN:] for seq in sequences]
+    counts: dict[int, int] = {}
+    for seq in generated:
+        for t in seq:
+            counts[t] = counts.get(t, 0) + 1
+    total = sum(counts.values()) or 1
+    top, top_n = max(counts.items(), key=lambda kv: kv[1]) if counts else (None, 0)
+    distinct = sum(len(set(s)) for s in generated) / max(1, len(generated))
+    return {"most_frequent_token": top, "most_frequent_share": round(top_n / total, 4),
+            "distinct_tokens_per_sequence": round(distinct, 1)}  # fmt: skip
+
+
 def train(
     args: argparse.Namespace, model: Path, sequences: list[list[int]], device: str, trained: Path
 ) -> dict[str, Any]:
@@ -492,13 +572,16 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if (step + 1) % max(1, args.train_steps // 10) == 0:
             print(f"train: step {step + 1}/{args.train_steps} loss {sum(losses[-20:]) / len(losses[-20:]):.3f}",
                   flush=True)  # fmt: skip
     report["train_s"] = round(time.perf_counter() - start, 1)
     report["after"] = evaluate(core, head, eval_streams, eval_seqs, device)
     print(f"train: after {report['after']} ({report['train_s']} s)", flush=True)
+    drafts = max(int(d) for d in str(args.drafts).split(",") if d)
+    report["after_chained"] = chain_acceptance(core, head, eval_streams, eval_seqs, drafts, device)
+    print(f"train: chained drafts, predicted {report['after_chained']}", flush=True)
     report["checkpoint"] = str(trained)
     write_head(model, head, trained, report)
     return report
@@ -632,16 +715,16 @@ def train_dflash(
     weights = weights / weights.sum()
     autocast = training_autocast(device)
 
-    def blocks_forward(ids: list[Any], feats: list[Any], anchors: list[list[int]]) -> tuple[Any, Any]:
-        """Every anchor's block of each sequence in one forward; logits ``[B, blocks, drafts, V]``
-        and labels ``[B, blocks, drafts]``."""
+    def blocks_forward(ids: list[Any], feats: list[Any], anchors: list[list[int]], amp: Any = None) -> tuple[Any, Any]:
+        """Every anchor's block of each sequence in one forward (under ``amp``, else the training
+        autocast); logits ``[B, blocks, drafts, V]`` and labels ``[B, blocks, drafts]``."""
         built = [anchor_blocks(t, a, block, g.mask_token_id) for t, a in zip(ids, anchors, strict=True)]
         query_ids = torch.stack([b[0] for b in built])
         query_positions = torch.stack([b[1] for b in built])
         labels = torch.stack([b[2] for b in built])
         attend = torch.stack([block_attention_mask(a, length, block, all(g.causal), device) for a in anchors])
         positions = torch.arange(length, device=device).expand(len(ids), length)
-        with autocast:
+        with amp or autocast:
             hidden = drafter(
                 drafter.context_states(torch.stack(feats)), positions, F.embedding(query_ids, embed),
                 query_positions, attend,
@@ -650,14 +733,14 @@ def train_dflash(
             logits = rows @ lm_head.to(rows.dtype).t()
         return logits.float(), labels
 
-    def evaluate_dflash() -> dict[str, Any]:
+    def evaluate_dflash(amp: Any = None) -> dict[str, Any]:
         """Held-out loss, top-1 agreement with the target per draft position and the acceptance
         length greedy verification would give, over every anchor of the held-out sequences."""
         losses, correct = [], []
         every = list(range(low, high))
         with torch.no_grad():
             for ids, feats in zip(eval_ids, eval_features, strict=True):
-                logits, labels = blocks_forward([ids], [feats], [every])
+                logits, labels = blocks_forward([ids], [feats], [every], amp)
                 losses.append(float(F.cross_entropy(logits.flatten(0, 2), labels.flatten())))
                 correct.append((logits.argmax(-1) == labels)[0])
         hits = torch.cat(correct)
@@ -701,6 +784,14 @@ def train_dflash(
     report["train_s"] = round(time.perf_counter() - start, 1)
     report["after"] = evaluate_dflash()
     print(f"dflash: after {report['after']} ({step} steps, {report['train_s']} s)", flush=True)
+    # vLLM serves the drafter in the checkpoint's dtype; fp16 overflows where bf16 does not, so the
+    # prediction again in fp16 tells whether that is why vLLM accepted fewer drafts than predicted
+    # (2026-12-02 on the H200: 2.27 measured against 3.97 predicted in bf16)
+    report["features_max_abs"] = max(float(f.abs().max()) for f in features)
+    if device == "cuda" and args.dtype == "float16":
+        report["after_float16"] = evaluate_dflash(torch.autocast("cuda", dtype=torch.float16))
+        print(f"dflash: in float16 {report['after_float16']}", flush=True)
+    print(f"dflash: largest target feature {report['features_max_abs']:.1f}", flush=True)
     report["drafter"] = str(destination)
     write_drafter(drafter, config, destination, report)
     return report
@@ -728,17 +819,29 @@ def write_drafter(drafter: Any, config: dict[str, Any], destination: Path, repor
 
 
 def print_table(report: dict[str, Any]) -> None:
+    if "generated_text" in report:
+        print(f"the target's generated text: {report['generated_text']}")
     plain = report["measure"].get("plain", {})
-    print(f"{'setting':<22}{'batch':>6}{'tok/s':>10}{'x plain':>9}{'accept len':>11}")
+    print(f"{'setting':<22}{'batch':>6}{'tok/s':>10}{'x plain':>9}{'accept len':>11}  accepted by draft position")
     for setting, rows in report["measure"].items():
         if "error" in rows:
             print(f"{setting:<22} error: {rows['error']}")
             continue
         for batch, row in rows.items():
+            accept = f"{row['acceptance_length']:11.2f}" if "acceptance_length" in row else f"{'':>11}"
+            by_position = " ".join(f"{a:.2f}" for a in row.get("accepted_by_position", []))
+            if "decode_tok_s" not in row:
+                print(f"{setting:<22}{batch:>6}{'-':>10}{'':>9}{accept}  {by_position}  {row.get('error', '')}")
+                continue
             base = plain.get(batch, {}).get("decode_tok_s")
             ratio = f"{row['decode_tok_s'] / base:9.2f}" if base else f"{'':>9}"
-            accept = f"{row['acceptance_length']:11.2f}" if "acceptance_length" in row else f"{'':>11}"
-            print(f"{setting:<22}{batch:>6}{row['decode_tok_s']:10.1f}{ratio}{accept}")
+            print(f"{setting:<22}{batch:>6}{row['decode_tok_s']:10.1f}{ratio}{accept}  {by_position}")
+    if "after_chained" in report.get("train", {}):
+        chained = report["train"]["after_chained"]
+        print(
+            f"mtp{chained['drafts']}-trained: held-out acceptance length predicted by the reference "
+            f"{chained['expected_acceptance_length']:.2f} (top-1 by draft position {chained['top1_by_position']})"
+        )
     if "dflash_train" in report:
         # the reference's teacher-forced prediction on held-out text, to set beside vLLM's measurement
         after = report["dflash_train"]["after"]
@@ -848,6 +951,8 @@ def main() -> None:
             save()
             sys.exit(f"generate failed: {generated['error']}")
         cached.write_text(json.dumps(generated))
+    report["generated_text"] = text_statistics(generated["sequences"])
+    print(f"generate: {report['generated_text']}", flush=True)
     if args.stop_after == "generate":
         return
     trained = args.work / f"{tag}-trained-{args.train_steps}-lr{args.lr}"
