@@ -35,13 +35,17 @@
 #      starts over): the target trained on the stdlib's source first (a random target's text is
 #      unlearnable: results/h200_bench_mtp_trained.txt), then the head, then the drafter (its target
 #      features from the oracle, then --dflash-train-seconds of training), then the measurements:
-#        MTP_ARGS="$A --stop-after pretrain", "$A --stop-after train", "$A --stop-after dflash-train",
-#        then "$A" (again if the call ends before every setting is measured: finished settings are
-#        kept, and the last call prints the whole table), with
-#        A="--pretrain-steps 100000 --pretrain-seconds 420 --train-steps 1500 --drafts 3 --no-untrained
-#           --dflash-drafts 3 --dflash-train-seconds 140"
+#        BUDGET=555 MTP_ARGS="$A --stop-after generate" (with the kit's install: pretraining only fits),
+#        BUDGET=560 MTP_ARGS="$A --stop-after dflash-train", then BUDGET=585 MTP_ARGS="$A" (again if
+#        the call ends before every setting is measured: finished settings are kept, and the last call
+#        prints the whole table), with (2026-12-02: 548 s, 340 s and 238 s)
+#        A="--pretrain-steps 100000 --pretrain-seconds 300 --sequences 128 --new-tokens 128
+#           --train-steps 1200 --drafts 3 --no-untrained --dflash-drafts 3 --dflash-train-seconds 110"
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
+#   f: does vLLM on the GPU draft what the DFlash reference drafts (dflash_drafts_check.py: the tiny target
+#      and a random drafter, every step's drafts against the fp32 reference): fp16 with CUDA graphs, fp16
+#      eager, fp32 eager (2026-12-02: a trained drafter predicted at 3.97 was accepted at 2.27 on the H200).
 #
 # This checkout's sources come first on PYTHONPATH (the kit's plugin wheels give the entry points).
 # Every child has a time limit; each part ends by packing its results into OUT/<part>.tar.gz
@@ -149,6 +153,15 @@ k)
     timeout $(lim 580) python3 benchmarks/qwen38_plugin/bench_mtp_trained.py "$res/mtp" --work $work/mtp \
         --timeout 300 ${MTP_ARGS:-} >"$res/bench_mtp.log" 2>&1
     grep -v '^train: step' "$res/bench_mtp.log" | tail -25
+    ;;
+f)
+    for variant in "float16 --graphs" "float16" "float32"; do
+        name=$(echo "$variant" | tr -d ' -')
+        # shellcheck disable=SC2086  # the variant is two words
+        timeout $(lim 200) python3 benchmarks/qwen38_plugin/dflash_drafts_check.py "$res/drafts-$name" --dtype $variant \
+            --work $work/drafts >"$res/drafts-$name.log" 2>&1
+        grep '^dflash drafts' "$res/drafts-$name.log" || tail -3 "$res/drafts-$name.log"
+    done
     ;;
 v)
     # vLLM's V1 model runner on GPU 1 (fp16, CUDA graphs and eager) while GPU 0 runs fp16 eager in V2

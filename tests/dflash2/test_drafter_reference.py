@@ -46,11 +46,13 @@ def engine_main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    # DRAFTER_CHECK_DTYPE / DRAFTER_CHECK_GRAPHS: the same comparison on a GPU in its serving dtype with
+    # CUDA graphs (benchmarks/qwen38_plugin/dflash_drafts_check.py)
     llm = LLM(
         model=model,
         seed=0,
-        dtype="float32",
-        enforce_eager=True,
+        dtype=os.environ.get("DRAFTER_CHECK_DTYPE", "float32"),
+        enforce_eager=os.environ.get("DRAFTER_CHECK_GRAPHS") != "1",
         enable_prefix_caching=False,  # with speculation on CPU, and beside a DFlash drafter
         async_scheduling=False,  # the scheduler then holds the real draft tokens, not placeholders
         skip_tokenizer_init=True,
@@ -78,14 +80,14 @@ def engine_main() -> None:
     print(json.dumps({"tokens": tokens, "drafts": drafts}))
 
 
-@pytest.fixture(scope="module")
-def served(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> tuple:
+def build_drafter(target: Path, path: Path) -> Any:
+    """A random one-layer causal DFlash drafter for ``target``, written to the directory ``path``
+    (fp32) and returned as the reference module."""
     from safetensors.torch import save_file
 
     from dflash2.drafter_reference import DFlashDrafterReference
     from dflash2.tiny import drafter_config
 
-    target = tiny_checkpoint("qwen4_exp_text", dtype="float32")
     config = drafter_config(
         json.loads((target / "config.json").read_text()),
         num_hidden_layers=1,
@@ -103,19 +105,32 @@ def served(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPa
         for name, p in drafter.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.fill_(2.0)  # peaked attention: the drafts then depend visibly on where each key sits
-    path = tmp_path_factory.mktemp("drafter_reference") / "drafter"
-    path.mkdir()
+    path.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config, indent=2))
+    return drafter.eval()
 
+
+def engine_command(target: Path, drafter: Path) -> list[str]:
+    """The engine side (`engine_main`) for three prompts of PROMPT_LENGTHS random tokens."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 240_000, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-    cmd = [sys.executable, str(HERE), str(target), str(path), json.dumps(prompts), str(MAX_TOKENS)]
+    return [sys.executable, str(HERE), str(target), str(drafter), json.dumps(prompts), str(MAX_TOKENS)]
+
+
+def engine_result(stdout: str) -> dict[str, Any]:
+    return json.loads([line for line in stdout.splitlines() if line.startswith('{"tokens"')][-1])
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    target = tiny_checkpoint("qwen4_exp_text", dtype="float32")
+    path = tmp_path_factory.mktemp("drafter_reference") / "drafter"
+    drafter = build_drafter(target, path)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(HERE.parents[2])}
-    proc = run_engine_script(cmd, env)
+    proc = run_engine_script(engine_command(target, path), env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')][-1])
-    return target, drafter.eval(), result
+    return target, drafter, engine_result(proc.stdout)
 
 
 @functools.cache
