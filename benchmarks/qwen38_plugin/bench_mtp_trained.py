@@ -76,6 +76,7 @@ one layer; the V2 runner takes several): its numbers are not measurements.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import inspect
@@ -493,7 +494,8 @@ def chain_acceptance(
     step reading the previous one's output streams and token, as vLLM's proposer runs it), at
     ``anchors`` random places in each held-out sequence's generated text: what vLLM should measure.
     Training teaches the first draft only (from the target's streams), so this tells how much the
-    later drafts get from it."""
+    later drafts get from it. (`Qwen4ExpMTPReference.draft` runs the first pass token by token on
+    CPU tensors; here it is one step over the anchor's prefix, on the training device.)"""
     import torch
 
     from dflash2.drafter_reference import expected_acceptance_length
@@ -531,12 +533,9 @@ def text_statistics(sequences: list[list[int]]) -> dict[str, Any]:
     """How repetitive the generated text is (PROMPT_LEN on): its share of the single most frequent
     token, and the distinct tokens per sequence (a briefly trained target can write one token forever)."""
     generated = [seq[PROMPT_LEN:] for seq in sequences]
-    counts: dict[int, int] = {}
-    for seq in generated:
-        for t in seq:
-            counts[t] = counts.get(t, 0) + 1
-    total = sum(counts.values()) or 1
-    top, top_n = max(counts.items(), key=lambda kv: kv[1]) if counts else (None, 0)
+    counts = collections.Counter(t for seq in generated for t in seq)
+    total = counts.total() or 1
+    top, top_n = counts.most_common(1)[0] if counts else (None, 0)
     distinct = sum(len(set(s)) for s in generated) / max(1, len(generated))
     return {"most_frequent_token": top, "most_frequent_share": round(top_n / total, 4),
             "distinct_tokens_per_sequence": round(distinct, 1)}  # fmt: skip
