@@ -42,10 +42,11 @@
 #        A="--pretrain-steps 100000 --pretrain-seconds 300 --sequences 128 --new-tokens 128
 #           --train-steps 1200 --drafts 3 --no-untrained --dflash-drafts 3 --dflash-train-seconds 110"
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
+#   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP.
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
 #   f: does vLLM on the GPU draft what the DFlash reference drafts (dflash_drafts_check.py: the tiny target
 #      and a random drafter, every step's drafts against the fp32 reference): fp16 with CUDA graphs, fp16
-#      eager, fp32 eager (2026-12-02: a trained drafter predicted at 3.97 was accepted at 2.27 on the H200).
+#      eager, bf16 eager (2026-12-02: a trained drafter predicted at 3.97 was accepted at 2.27 on the H200).
 #
 # This checkout's sources come first on PYTHONPATH (the kit's plugin wheels give the entry points).
 # Every child has a time limit; each part ends by packing its results into OUT/<part>.tar.gz
@@ -155,12 +156,27 @@ k)
     grep -v '^train: step' "$res/bench_mtp.log" | tail -25
     ;;
 f)
-    for variant in "float16 --graphs" "float16" "float32"; do
-        name=$(echo "$variant" | tr -d ' -')
-        # shellcheck disable=SC2086  # the variant is two words
-        timeout $(lim 200) python3 benchmarks/qwen38_plugin/dflash_drafts_check.py "$res/drafts-$name" --dtype $variant \
+    # (float32 is refused on CUDA: vLLM's GDN prefill kernel; the graphs variant first compiles and
+    # captures, about 10 s a graph on a fresh machine)
+    for variant in "280 float16 --graphs" "150 float16" "150 bfloat16"; do
+        set -- $variant
+        limit=$1
+        shift
+        name=$(echo "$*" | tr -d ' -')
+        # shellcheck disable=SC2068  # the variant's words
+        timeout $(lim "$limit") python3 benchmarks/qwen38_plugin/dflash_drafts_check.py "$res/drafts-$name" --dtype $@ \
             --work $work/drafts >"$res/drafts-$name.log" 2>&1
         grep '^dflash drafts' "$res/drafts-$name.log" || tail -3 "$res/drafts-$name.log"
+    done
+    ;;
+q)
+    # where a speculative step goes (issue 12 item 6: 2.6x (DFlash) / 3.3x (MTP) a plain step at batch 1):
+    # the decode step under torch's profiler without speculation (same engine settings), with a random
+    # DFlash drafter and with the random MTP head, 3 drafts, all rejected (one token a step)
+    for spec in none dflash mtp; do
+        CUDA_VISIBLE_DEVICES=0 timeout $(lim 170) python3 benchmarks/qwen38_plugin/profile_gpu.py "$res/profile" \
+            --speculative $spec --drafts 3 --batches 1,8 --work $work/q38 >"$res/profile-$spec.log" 2>&1
+        grep -E '^(none|dflash3|mtp3) batch' "$res/profile-$spec.log" || tail -3 "$res/profile-$spec.log"
     done
     ;;
 v)

@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/engines.py .venv/bin/python benchmarks/qwen38_plugin/count_ops.py \\
         [--config medium] [--dtype bfloat16] [--batches 1,4] [--prompt-len 128] [--model DIR] [--qsa-triton]
-        [--top 40] [--out FILE]
+        [--speculative mtp|dflash|none [--drafts 3]] [--top 40] [--out FILE]
 
 On a GPU a decode step of this model is about a thousand small kernels; this counts, on CPU, the
 aten operations behind them and says which part of the code issued each. It starts stock vLLM in
@@ -31,6 +31,11 @@ Where an op is attributed:
 - outside the model (input preparation, the cache groups' metadata builders, the sampler): to the
   innermost vLLM or qwen38_plugin function, and the model runner's method that led there.
 Each op also carries its issuing function (innermost vLLM / qwen38_plugin frame) for the third table.
+
+``--speculative``: the checkpoint gets a random MTP head (and for ``dflash`` a random one-layer
+drafter, profile_gpu.py's), prefix caching is off, and the decode step counted is the first verify
+step (each request one token plus its drafts), the drafter's proposal included (outside the model,
+``<- runner.propose_draft_token_ids``); ``none`` is the same engine without speculation.
 Host syncs on CUDA (``.item()``, ``nonzero``, boolean-mask indexing, ...) are listed separately.
 
 Printed (and written to ``--out`` with a header on what differs on CUDA): 1. ops per component at each
@@ -226,7 +231,11 @@ class OpCounter:
             if not self.armed:
                 return execute_model(scheduler_output, *args, **kwargs)
             scheduled = scheduler_output.num_scheduled_tokens
-            decode = not scheduler_output.scheduled_new_reqs and all(n == 1 for n in scheduled.values())
+            # a decode step: every request one token, or one plus its drafts under speculation
+            drafts = scheduler_output.scheduled_spec_decode_tokens
+            decode = not scheduler_output.scheduled_new_reqs and all(
+                n == 1 + len(drafts.get(req, ())) for req, n in scheduled.items()
+            )
             self.steps.append(Step(len(scheduled), scheduler_output.total_num_scheduled_tokens, decode))
             with self._counting():
                 return execute_model(scheduler_output, *args, **kwargs)
@@ -377,12 +386,20 @@ def run(args: argparse.Namespace) -> tuple[dict[int, Step], dict[int, Step], lis
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    model = args.model or bench_cpu.checkpoint(args.config)
+    extra: dict[str, Any] = {}
+    if args.speculative:
+        # the target with a random MTP head, and for DFlash a random one-layer drafter (profile_gpu.py's)
+        from profile_gpu import speculative_engine
+
+        args.work = Path(".cache/bench")
+        model, extra = speculative_engine(args)
+    else:
+        model = args.model or bench_cpu.checkpoint(args.config)
     layer_types = json.loads((Path(model) / "config.json").read_text())["layer_types"]
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(
         model=str(model), dtype=args.dtype, max_model_len=args.prompt_len + 64, seed=0, max_num_seqs=max(batches),
-        enforce_eager=True,
+        enforce_eager=True, **extra,
     )  # fmt: skip
     runner = engine_runner(llm)
     counter = OpCounter(layer_types)
@@ -531,6 +548,10 @@ def main() -> None:
     parser.add_argument(
         "--qsa-triton", action="store_true", help="run QSA's ops on their Triton (CUDA) path, interpreted"
     )
+    parser.add_argument(
+        "--speculative", choices=["mtp", "dflash", "none"], help="a verify step (random drafts) with this drafter"
+    )
+    parser.add_argument("--drafts", type=int, default=3)
     parser.add_argument("--top", type=int, default=40, help="rows of the pair tables")
     parser.add_argument("--out", type=Path, help="also write the tables here")
     args = parser.parse_args()

@@ -48,11 +48,14 @@ def engine_main() -> None:
 
     # DRAFTER_CHECK_DTYPE / DRAFTER_CHECK_GRAPHS: the same comparison on a GPU in its serving dtype with
     # CUDA graphs (benchmarks/qwen38_plugin/dflash_drafts_check.py)
+    graphs = os.environ.get("DRAFTER_CHECK_GRAPHS") == "1"
     llm = LLM(
         model=model,
         seed=0,
         dtype=os.environ.get("DRAFTER_CHECK_DTYPE", "float32"),
-        enforce_eager=os.environ.get("DRAFTER_CHECK_GRAPHS") != "1",
+        enforce_eager=not graphs,
+        # three requests verify 3 x (1 + DRAFTS) tokens a step: a few sizes, not vLLM's dozens
+        **({"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 12, 16]}} if graphs else {}),
         enable_prefix_caching=False,  # with speculation on CPU, and beside a DFlash drafter
         async_scheduling=False,  # the scheduler then holds the real draft tokens, not placeholders
         skip_tokenizer_init=True,
@@ -64,13 +67,17 @@ def engine_main() -> None:
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     schedule = scheduler.schedule
     drafts: list[dict[str, Any]] = []
+    device_drafts = record_device_drafts()
 
     def recording_schedule(*args: Any, **kwargs: Any) -> Any:
         output = schedule(*args, **kwargs)
         for req_id, tokens in output.scheduled_spec_decode_tokens.items():
             request = scheduler.requests[req_id]
             which = prompts.index(list(request.prompt_token_ids))
-            drafts.append({"request": which, "length": request.num_tokens, "drafts": list(tokens)})
+            # vLLM's V2 runner (CUDA) keeps the drafts on the device and hands the scheduler -1
+            # placeholders: the drafts it verifies now are the last it proposed for the request
+            proposed = list(tokens) if -1 not in tokens else device_drafts.get(req_id, list(tokens))
+            drafts.append({"request": which, "length": request.num_tokens, "drafts": proposed})
         return output
 
     scheduler.schedule = recording_schedule
@@ -78,6 +85,27 @@ def engine_main() -> None:
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     tokens = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
     print(json.dumps({"tokens": tokens, "drafts": drafts}))
+
+
+def record_device_drafts() -> dict[str, list[int]]:
+    """Each request's latest drafts as vLLM's V2 model runner (CUDA) proposes them, by request id
+    (empty where that runner is not used: the V1 runner, on CPU, gives the scheduler the drafts).
+    The runner hands every step's drafts to its ``DraftTokensHandler``, outside CUDA graphs, so
+    reading them there costs one copy a step and changes nothing the engine computes."""
+    latest: dict[str, list[int]] = {}
+    try:
+        from vllm.v1.worker.gpu.spec_decode.utils import DraftTokensHandler
+    except ImportError:
+        return latest
+    handed = DraftTokensHandler.set_draft_tokens
+
+    def recording(self: Any, input_batch: Any, draft_tokens: torch.Tensor) -> None:
+        for req_id, row in zip(input_batch.req_ids, draft_tokens.tolist(), strict=True):
+            latest[req_id] = row
+        handed(self, input_batch, draft_tokens)
+
+    DraftTokensHandler.set_draft_tokens = recording  # type: ignore[method-assign]
+    return latest
 
 
 def build_drafter(target: Path, path: Path) -> Any:
