@@ -28,9 +28,10 @@ generates, then measure both inside stock vLLM against no speculation, in one ru
    the target's embedding and lm_head frozen) is trained teacher-forced to predict token p + 2 from
    the streams at p and token p + 1 (cross entropy, AdamW), one sequence per step; the loss and the
    head's top-1 agreement with the target on held-out sequences are printed before and after.
-   After training, the reference's acceptance length for the head's chained drafts (each draft
-   step reading the previous one's output streams, which training never shows it) at random
-   places in the held-out text. The trained ``mtp.*`` tensors go into a copy of the checkpoint
+   With ``--chain-train N`` the loss also covers chained drafts 2 .. N (each reading the previous
+   draft's output streams, as vLLM's proposer runs them; `head_loss`). After training, the
+   reference's acceptance length for the head's chained drafts at random places in the held-out
+   text. The trained ``mtp.*`` tensors go into a copy of the checkpoint
    under their on-disk names.
    Skipped without ``mtp`` in ``--methods``.
 3. ``dflash-train`` (this process, plain torch on the GPU; without ``dflash`` in ``--methods``,
@@ -465,8 +466,15 @@ def target_streams(core: Any, sequences: list[list[int]], device: str) -> list[A
     return out
 
 
-def head_loss(core: Any, head: Any, streams: Any, seq: list[int], device: str) -> tuple[Any, Any]:
-    """Teacher-forced: the head at position p (streams p, token p + 1) predicts token p + 2."""
+def head_loss(core: Any, head: Any, streams: Any, seq: list[int], device: str, chain: int = 1) -> tuple[Any, Any]:
+    """Teacher-forced: the head at position p (streams p, token p + 1) predicts token p + 2; the loss
+    and top-1 agreement of that first draft.
+
+    With ``chain`` > 1 the loss also covers drafts 2 .. ``chain`` the way vLLM's proposer chains
+    them: draft k's pass reads draft k - 1's output streams (not the target's) with the true token
+    after it and predicts one token further, all positions at once. The one approximation: in that
+    pass a position's attention sees the same pass's streams at earlier positions, where the
+    proposer's cache holds the first pass's (the target-stream ones) below the anchor."""
     import torch
     import torch.nn.functional as F
 
@@ -474,9 +482,16 @@ def head_loss(core: Any, head: Any, streams: Any, seq: list[int], device: str) -
 
     ids = torch.tensor(seq, device=device)
     n = ids.shape[0]
-    _, logits = head.step(core, streams[: n - 2], ids[1 : n - 1], torch.arange(n - 2, device=device), MTPCache())
+    out, logits = head.step(core, streams[: n - 2], ids[1 : n - 1], torch.arange(n - 2, device=device), MTPCache())
     target = ids[2:]
-    return F.cross_entropy(logits.float(), target), (logits.argmax(-1) == target).float().mean()
+    loss, agreement = F.cross_entropy(logits.float(), target), (logits.argmax(-1) == target).float().mean()
+    for k in range(1, chain):
+        if n - 2 - k < 1:
+            break
+        # draft k + 1 from anchor p: draft k's streams at p, the token p + 1 + k, position p + k
+        out, logits = head.step(core, out[:-1], ids[1 + k : n - 1], torch.arange(k, n - 2, device=device), MTPCache())
+        loss = loss + F.cross_entropy(logits.float(), ids[2 + k :])
+    return loss / max(1, min(chain, n - 2)), agreement
 
 
 def evaluate(core: Any, head: Any, streams: list[Any], sequences: list[list[int]], device: str) -> dict[str, float]:
@@ -566,7 +581,7 @@ def train(
     losses = []
     for step in range(args.train_steps):
         i = int(torch.randint(0, len(train_seqs), (1,), generator=gen))
-        loss, _ = head_loss(core, head, train_streams[i], train_seqs[i], device)
+        loss, _ = head_loss(core, head, train_streams[i], train_seqs[i], device, chain=args.chain_train)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -859,6 +874,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--train-steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--chain-train", type=int, default=1,
+        help="train the MTP head's first N chained drafts (head_loss); 1: the first draft only",
+    )  # fmt: skip
     parser.add_argument("--drafts", default="1,3")
     parser.add_argument(
         "--no-untrained",
@@ -954,7 +973,8 @@ def main() -> None:
     print(f"generate: {report['generated_text']}", flush=True)
     if args.stop_after == "generate":
         return
-    trained = args.work / f"{tag}-trained-{args.train_steps}-lr{args.lr}"
+    chained = f"-chain{args.chain_train}" if args.chain_train > 1 else ""
+    trained = args.work / f"{tag}-trained-{args.train_steps}-lr{args.lr}{chained}"
     if "mtp" in methods:
         if (trained / "train_report.json").exists():
             report["train"] = json.loads((trained / "train_report.json").read_text())
