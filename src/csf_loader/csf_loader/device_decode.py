@@ -207,7 +207,10 @@ class PlaneDecoder:
 
     Keeps counts for the loader's log line: planes, those decoded over a region only, decoded
     bytes, seconds (host wall time, device copies and checks included) and of them the seconds
-    spent staging planes from the host (``StagingRing``: filling the ring, queueing the copy).
+    spent staging planes from the host (``StagingRing``: filling the ring, queueing the copy) and
+    in the kernel's launch calls, apart for the first launch of each plane shape (in a fresh
+    process Triton loads or compiles a kernel variant there: the H200 measurements of 2026-12-03
+    left 0.5 s of a 0.54 s decode outside the staging).
     """
 
     device: torch.device
@@ -220,7 +223,10 @@ class PlaneDecoder:
     seconds: float = 0.0
     copy_seconds: float = 0.0
     launches: int = 0
+    launch_seconds: float = 0.0
+    first_launch_seconds: float = 0.0  # of launch_seconds, the first launch of each (codec, rows, cols)
     staging: StagingRing | None = None
+    launched_shapes: set[tuple[str, int, int]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -293,7 +299,13 @@ class PlaneDecoder:
         except torch.OutOfMemoryError:
             raise DeviceMemoryError(self._oom_message(planes, rows, cols, first.what)) from None
         most = max(plane.exceptions.numel() for plane in planes)
+        launched_at = time.perf_counter()
         decode_triton_stacked(fixed, words, starts, codec, len(jobs), rows, cols, out, most)
+        launch = time.perf_counter() - launched_at
+        self.launch_seconds += launch
+        if (codec.name, rows, cols) not in self.launched_shapes:
+            self.launched_shapes.add((codec.name, rows, cols))
+            self.first_launch_seconds += launch
         self.launches += 1
         self.planes += len(jobs)
         self.decoded_bytes += out.numel()

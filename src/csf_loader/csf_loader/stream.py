@@ -175,7 +175,12 @@ def decode_csf_stream(
 
 def log_decoded(decoder: PlaneDecoder, family: str) -> None:
     if decoder.planes:
-        launches = f", {decoder.launches} launches" if decoder.launches else ""
+        launches = (
+            f", {decoder.launches} launches ({decoder.launch_seconds:.3f} s in the launch calls, "
+            f"{decoder.first_launch_seconds:.3f} s of it the first of each of {len(decoder.launched_shapes)} shapes)"
+            if decoder.launches
+            else ""
+        )
         staging = (
             f", {decoder.copy_seconds:.3f} s of it staging the planes for the device" if decoder.copy_seconds else ""
         )
