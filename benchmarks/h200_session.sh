@@ -41,6 +41,7 @@
 #        prints the whole table), with (2026-12-02: 548 s, 340 s and 238 s)
 #        A="--pretrain-steps 100000 --pretrain-seconds 300 --sequences 128 --new-tokens 128
 #           --train-steps 1200 --drafts 3 --no-untrained --dflash-drafts 3 --dflash-train-seconds 110"
+#      (next: --chain-train 3 as well, the head trained on its chained drafts: about 3x its 46 s)
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP.
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
