@@ -4,11 +4,13 @@ the copy ceiling measured in the same run.
     python benchmarks/qwen38_plugin/bench_fused_ops.py [--hidden 1024] [--tokens 1,64,2048]
 
 For each op (`hyper_connection.hc_norm` with the injection, `hc_mix_normed`, `norm_rope.rms_norm_rope`,
-`ple_varlen.gated_conv_inputs`, `ple_varlen.conv_term_triton` for a step of one-token requests) and
-token count, in fp16: the median time of CUDA-graph replays (benchmarks/sm70_backend/timing.py) of the
-Triton path and of the torch ops it replaces, their ratio, and the fraction of the copy ceiling:
-(bytes the op must read and write) / (copy bandwidth) / (time). At decode sizes the bytes are few and
-the time is a launch or two, so the fraction is small; the ratio to torch is what fusing buys there.
+`ple_varlen.gated_conv_inputs`, `ple_varlen.conv_term_triton` for a step of one-token requests, and
+for a speculative verify step, requests of 4 tokens each writing 4 state slots, the PLE mix and the
+n-gram rows with their state updates) and token count, in fp16: the median time of CUDA-graph
+replays (benchmarks/sm70_backend/timing.py) of the Triton path and of the torch ops it replaces,
+their ratio, and the fraction of the copy ceiling: (bytes the op must read and write) / (copy
+bandwidth) / (time). At decode sizes the bytes are few and the time is a launch or two, so the
+fraction is small; the ratio to torch is what fusing buys there.
 Prints one table; needs CUDA and Triton.
 """
 
@@ -61,6 +63,34 @@ def cases(hidden: int, tokens: int) -> list[tuple[str, Callable[[str], object], 
             hc_count=HC, ngram_size=NGRAM, eps=1e-6, query_start_loc=qsl, backend=backend,
         )  # fmt: skip
 
+    # a speculative verify step: tokens // 4 requests of 1 + 3 drafts, each writing its 4 states
+    spec_reqs = max(1, tokens // 4)
+    spec_tokens = 4 * spec_reqs
+    spec_qsl = torch.arange(0, spec_tokens + 1, 4, device=dev, dtype=torch.int32)
+    spec_req = torch.arange(spec_tokens, device=dev, dtype=torch.int32) // 4
+    read = torch.arange(spec_reqs, device=dev, dtype=torch.int32) * 4
+    write = torch.arange(spec_tokens, device=dev, dtype=torch.int32).view(spec_reqs, 4)
+    spec_state = rand(spec_tokens, width, span)
+    spec_streams, spec_key, spec_value = rand(spec_tokens, width), rand(spec_tokens, width), rand(spec_tokens, hidden)
+    ids = torch.randint(0, 1000, (spec_tokens,), device=dev)
+    context = torch.randint(0, 1000, (spec_tokens, NGRAM - 1), device=dev)
+    multipliers = torch.randint(1, 2**40, (NGRAM,), device=dev)
+    sizes = torch.full(((NGRAM - 1) * 8,), 65536, device=dev)
+    offsets = sizes.cumsum(0) - sizes
+
+    def conv_spec(backend: str) -> object:
+        return ple_varlen.ple_mix_varlen(
+            spec_streams, spec_key, spec_value, norms[0], norms[1], norms[2], conv_w, spec_state, spec_req,
+            spec_qsl[:-1], read, None, hc_count=HC, ngram_size=NGRAM, eps=1e-6, write_indices=write,
+            query_start_loc=spec_qsl, backend=backend,
+        )  # fmt: skip
+
+    def ngram_spec(backend: str) -> object:
+        return ple_varlen.ngram_rows_varlen(
+            ids, spec_req, spec_qsl[:-1], context, read, None, multipliers, sizes, offsets, heads_per_ngram=8,
+            eos_token_id=1, write_indices=write, query_start_loc=spec_qsl, backend=backend,
+        )  # fmt: skip
+
     return [
         ("hc_norm + inject", lambda b: hc.hc_norm(streams, norm_w, hc_count=HC, eps=1e-6, block_output=block,
                                                   injection=injection, backend=b),
@@ -73,6 +103,9 @@ def cases(hidden: int, tokens: int) -> list[tuple[str, Callable[[str], object], 
             streams, key, value, norms[0], norms[1], norms[2], hc_count=HC, eps=1e-6, conv_dtype=dt, backend=b),
          e * tokens * (4 * width + hidden) + 3 * e * width),
         ("ple mix (gate, conv, states)", conv, e * tokens * (4 * width + hidden + 2 * width * span)),
+        ("ple mix, verify rows (4 states each)", conv_spec,
+         e * spec_tokens * (4 * width + hidden) + e * spec_reqs * 5 * width * span),
+        ("ple n-gram rows, verify rows", ngram_spec, 8 * spec_tokens * (1 + (NGRAM - 1) * 8 + NGRAM - 1)),
     ]  # fmt: skip
 
 

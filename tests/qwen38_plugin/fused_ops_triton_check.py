@@ -284,6 +284,108 @@ def check_ple_ngram_rows() -> str:
     return f"{cases} cases equal"
 
 
+# Speculative verify steps: (tokens, slot read, continues, write slots [P]) per request. The slot
+# read from is among its own write slots (vLLM reads the slot of the last kept token), a write slot
+# may be -1, a request may have fewer tokens than positions, one has no slot; trailing padding rows.
+SPEC_STEPS = [
+    ([(4, 3, True, [1, 2, 3, 4])], 0),
+    ([(4, 5, True, [5, 6, -1, 8]), (2, 0, True, [7, 0, 2, 3]), (4, -1, True, [1, 3, 4, 6])], 2),
+    ([(3, 2, False, [2, 1, 4, 7]), (4, 8, True, [3, 8, 5, 0])], 1),
+]
+
+
+def spec_step(entries: list[Any], trailing: int) -> dict[str, Any]:
+    """The step's index tensors (on DEVICE) for SPEC_STEPS entries: token_req, query_start_loc,
+    the read slots and continue flags as strided block-table columns, the write slots as a
+    strided ``[R, P]`` view."""
+    counts = torch.tensor([e[0] for e in entries])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
+    num_tokens = int(counts.sum()) + trailing
+    token_req = torch.full((num_tokens,), -1, dtype=torch.int32)
+    for r, (n, *_) in enumerate(entries):
+        token_req[int(qsl[r]) : int(qsl[r]) + n] = r
+    slot_list = [e[1] for e in entries]
+    flags = torch.tensor([e[2] for e in entries])
+    writes = torch.tensor([e[3] for e in entries], dtype=torch.int32)
+    spare = torch.full((len(entries), 1), 99, dtype=torch.int32)  # vLLM's spec slots are a block-table slice
+    return {
+        "num_tokens": num_tokens, "token_req": token_req.to(DEVICE), "qsl": qsl.to(DEVICE),
+        "state_indices": block_table_column(torch.tensor(slot_list, dtype=torch.int32),
+                                            torch.tensor(slot_list[::-1], dtype=torch.int32)),
+        "has_initial": block_table_column(flags, ~flags),
+        "write_indices": torch.cat([writes, spare], dim=1).to(DEVICE)[:, :-1],
+    }  # fmt: skip
+
+
+def check_ple_spec_conv_state() -> str:
+    """PLE's conv term and state update for speculative verify rows (`ple_mix_varlen` with
+    ``write_indices``: on CUDA the term kernel and `_conv_state_spec_kernel`) against its torch
+    ops: the term and every slot of the cache afterwards, with and without has_initial_state."""
+    hidden, hc_count, kernel, ngram, slots = 16, 4, 4, 3, 10
+    width, span = hidden * hc_count, (kernel - 1) * ngram
+    worst, cases = 0.0, 0
+    for dtype in DTYPES:
+        for entries, trailing in SPEC_STEPS:
+            for has_initial_given in (False, True):
+                step = spec_step(entries, trailing)
+                n = step["num_tokens"]
+                streams, key = randn(n, width, dtype=dtype), randn(n, width, dtype=dtype)
+                value = randn(n, hidden, dtype=dtype)
+                norms = [randn(width, scale=0.1, dtype=dtype) for _ in range(3)]
+                weight = randn(width, kernel, scale=0.5, dtype=dtype)
+                buffer = randn(slots, width * span + 3, dtype=dtype)
+                has_initial = step["has_initial"] if has_initial_given else None
+                results = []
+                for backend in ("torch", "triton"):
+                    cache_buffer = buffer.clone()
+                    cache = cache_buffer[:, 1 : 1 + width * span].view(slots, width, span)
+                    term = ple_varlen.ple_mix_varlen(
+                        streams, key, value, *norms, weight, cache, step["token_req"], step["qsl"][:-1],
+                        step["state_indices"], has_initial, hc_count=hc_count, ngram_size=ngram, eps=1e-6,
+                        write_indices=step["write_indices"], query_start_loc=step["qsl"], backend=backend,
+                    )  # fmt: skip
+                    results.append((term, cache_buffer))
+                (ref_term, ref_cache), (term, cache) = results
+                assert not torch.equal(ref_cache, buffer), f"{entries}: the reference wrote no slot"
+                err = max(rel(term, ref_term), rel(cache, ref_cache))
+                assert err <= 2 * TOLERANCE[dtype], f"{entries}, {dtype}, {has_initial_given}: rel err {err:.2e}"
+                worst, cases = max(worst, err), cases + 1
+    return f"{cases} cases, worst rel err {worst:.2e}"
+
+
+def check_ple_spec_ngram_context() -> str:
+    """PLE's n-gram rows and context update for speculative verify rows (`ngram_rows_varlen` with
+    ``write_indices``: on CUDA the rows kernel and `_ngram_context_spec_kernel`) against its torch
+    ops, bit for bit: every row and every context slot afterwards."""
+    ngram, heads_per_ngram, eos, slots = 4, 3, 7, 10
+    gen = torch.Generator().manual_seed(23)
+    multipliers = torch.randint(-(2**62), 2**62, (ngram,), generator=gen).to(DEVICE)
+    sizes = torch.randint(50, 1000, ((ngram - 1) * heads_per_ngram,), generator=gen)
+    offsets = (sizes.cumsum(0) - sizes).to(DEVICE)
+    cases = 0
+    for entries, trailing in SPEC_STEPS:
+        for has_initial_given in (False, True):
+            step = spec_step(entries, trailing)
+            ids = torch.randint(0, 12, (step["num_tokens"],), generator=gen).to(DEVICE)  # EOS (7) comes up often
+            buffer = torch.randint(0, 12, (slots, ngram + 2), generator=gen).to(DEVICE)
+            results = []
+            for backend in ("torch", "triton"):
+                context_buffer = buffer.clone()
+                rows = ple_varlen.ngram_rows_varlen(
+                    ids, step["token_req"], step["qsl"][:-1], context_buffer[:, 1:ngram], step["state_indices"],
+                    step["has_initial"] if has_initial_given else None, multipliers, sizes.to(DEVICE), offsets,
+                    heads_per_ngram=heads_per_ngram, eos_token_id=eos, write_indices=step["write_indices"],
+                    query_start_loc=step["qsl"], backend=backend,
+                )  # fmt: skip
+                results.append((rows, context_buffer))
+            (ref_rows, ref_context), (rows, context) = results
+            assert not torch.equal(ref_context, buffer), f"{entries}: the reference wrote no slot"
+            assert torch.equal(rows, ref_rows), f"{entries}: rows differ"
+            assert torch.equal(context, ref_context), f"{entries}, {has_initial_given}: contexts differ"
+            cases += 1
+    return f"{cases} cases equal"
+
+
 def check_imports_without_vllm() -> str:
     assert "vllm" not in sys.modules, "importing the ops imported vllm"
     return "no vllm in sys.modules"
@@ -297,6 +399,8 @@ CHECKS: dict[str, Callable[[], str]] = {
     "ple_gated_conv_inputs": check_ple_gated_conv_inputs,
     "ple_conv_term": check_ple_conv_term,
     "ple_ngram_rows": check_ple_ngram_rows,
+    "ple_spec_conv_state": check_ple_spec_conv_state,
+    "ple_spec_ngram_context": check_ple_spec_ngram_context,
     "imports_without_vllm": check_imports_without_vllm,
 }
 

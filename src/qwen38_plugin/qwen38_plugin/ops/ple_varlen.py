@@ -34,8 +34,10 @@ loops run over the n-gram orders and the conv taps, both fixed by the config). T
 run inside vLLM's CUDA-graph-captured decode steps and on CPU alike.
 
 On CUDA the per-token part of stage 4 (`gated_conv_inputs`: both norms, the signed-sqrt gate,
-the conv input's norm) is one Triton kernel, and without speculative verify rows the conv and
-the state update are two more (`conv_term_triton`); each is checked against the torch ops here,
+the conv input's norm) is one Triton kernel, the conv and the state update two more
+(`conv_term_triton`), the n-gram rows and the context update two (`ngram_rows_triton`), with or
+without speculative verify rows (on 2026-12-03 a verify step's PLE still ran its torch ops on the
+H200, dozens of small kernels a layer); each is checked against the torch ops here,
 which stay the CPU path and the reference (``QWEN38_PLE_REFERENCE=1`` keeps them on CUDA).
 
 Padding: a token with ``token_req = -1``, or of a request whose slot is negative (vLLM's
@@ -174,22 +176,21 @@ def ngram_rows_varlen(
     ``write_indices`` ``[R, P]`` int (speculative verify rows, vLLM's ``spec_state_indices_tensor``):
     read each request's context from ``state_indices`` (the slot of the last kept token) and write
     the context after its token j into ``write_indices[r, j]`` (`write_per_position_`).
-    ``query_start_loc``: ``query_start`` with the end appended (``[R + 1]``); given, and without
-    ``write_indices``, CUDA runs two Triton kernels (`ngram_rows_triton`).
+    ``query_start_loc``: ``query_start`` with the end appended (``[R + 1]``); given, CUDA runs two
+    Triton kernels (`ngram_rows_triton`), with or without ``write_indices``.
     """
     ngram_size = multipliers.shape[0]
     if ngram_size < 2:
         raise ValueError(f"ngram_rows_varlen: ngram_size {ngram_size}; PLE hashes n-grams of orders 2..n, n >= 2")
     context_len = ngram_size - 1
     num_tokens, num_requests = token_ids.shape[0], query_start.shape[0]
-    if (
-        write_indices is None
-        and query_start_loc is not None
-        and triton_dispatch.use_triton(token_ids.is_cuda, backend, reference_env=REFERENCE_ENV, op="ple")
+    if query_start_loc is not None and triton_dispatch.use_triton(
+        token_ids.is_cuda, backend, reference_env=REFERENCE_ENV, op="ple"
     ):
         return ngram_rows_triton(
             token_ids, token_req, query_start_loc, context_cache, state_indices, has_initial_state, multipliers,
             head_vocab_sizes, head_offsets, heads_per_ngram=heads_per_ngram, eos_token_id=eos_token_id,
+            write_indices=write_indices,
         )  # fmt: skip
     rows = torch.zeros(num_tokens, head_vocab_sizes.shape[0], dtype=torch.long, device=token_ids.device)
     if num_tokens == 0 or num_requests == 0:
@@ -267,9 +268,9 @@ def ple_mix_varlen(
     for a fresh request). Each written slot's conv state becomes the last (K - 1) * n conv inputs.
     ``write_indices``: as in `ngram_rows_varlen` (the conv state after each verified token j goes
     to ``write_indices[r, j]``). ``query_start_loc``: ``query_start`` with the end appended
-    (``[R + 1]``); given, and without ``write_indices``, CUDA runs the conv and the state update as
-    two Triton kernels (`conv_term_triton`; ``QWEN38_PLE_REFERENCE=1`` or ``backend="torch"``
-    keep the torch ops).
+    (``[R + 1]``); given, CUDA runs the conv and the state update as two Triton kernels, with or
+    without ``write_indices`` (`conv_term_triton`; ``QWEN38_PLE_REFERENCE=1`` or
+    ``backend="torch"`` keep the torch ops).
     """
     num_tokens, width = streams.shape
     num_requests = query_start.shape[0]
@@ -286,14 +287,12 @@ def ple_mix_varlen(
     )  # fmt: skip
     if num_tokens == 0 or num_requests == 0:
         return torch.zeros_like(gated)
-    if (
-        write_indices is None
-        and query_start_loc is not None
-        and triton_dispatch.use_triton(streams.is_cuda, backend, reference_env=REFERENCE_ENV, op="ple")
+    if query_start_loc is not None and triton_dispatch.use_triton(
+        streams.is_cuda, backend, reference_env=REFERENCE_ENV, op="ple"
     ):
         return conv_term_triton(
             gated, conv_inputs, conv_weight, conv_state_cache, token_req, query_start_loc, state_indices,
-            has_initial_state, ngram_size=ngram_size,
+            has_initial_state, ngram_size=ngram_size, write_indices=write_indices,
         )  # fmt: skip
     return conv_term_torch(
         gated, conv_inputs, conv_weight, conv_state_cache, token_req, query_start, state_indices, has_initial_state,
@@ -486,12 +485,15 @@ def conv_term_triton(
     has_initial_state: torch.Tensor | None,
     *,
     ngram_size: int,
+    write_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`conv_term_torch` without speculative verify rows, in two kernels: the term of every
-    (token, channel block), reading the states before they move, then each written slot's new
-    state. ``query_start_loc``: ``[R + 1]`` (each request's token count is the difference). The
-    same values as the reference up to the fp32 sum of the taps (CUDA may fuse a tap's product
-    into the sum)."""
+    """`conv_term_torch` in two kernels: the term of every (token, channel block), reading the
+    states before they move, then each written slot's new state; with ``write_indices`` ``[R, P]``
+    (speculative verify rows) the state after each token j goes to ``write_indices[r, j]``, all P
+    of a request's states read before any is written (one of them may be the slot read from).
+    ``query_start_loc``: ``[R + 1]`` (each request's token count is the difference). The same
+    values as the reference up to the fp32 sum of the taps (CUDA may fuse a tap's product into
+    the sum)."""
     num_tokens, width = gated.shape
     num_requests = query_start_loc.shape[0] - 1
     kernel = conv_weight.shape[-1]
@@ -511,11 +513,21 @@ def conv_term_triton(
             continues, width, span, ngram_size, *strides, conv_weight.stride(0), conv_weight.stride(1), *per_request,
             KERNEL=kernel, HAS_INITIAL=has_initial_state is not None, BLOCK_C=block_c,
         )  # fmt: skip
-    if num_requests:
+    if num_requests and write_indices is None:
         _conv_state_kernel[(num_requests, triton.cdiv(width, block_c))](
             conv_inputs, conv_state_cache, query_start_loc, state_indices, continues, width, span, *strides,
             *per_request, HAS_INITIAL=has_initial_state is not None, BLOCK_C=block_c,
             BLOCK_S=triton.next_power_of_2(span),
+        )  # fmt: skip
+    elif num_requests:
+        positions = write_indices.shape[1]
+        block_p = triton.next_power_of_2(positions)
+        block_cs = max(16, block_c // block_p)  # P states a program: keep its tile near the plain kernel's
+        _conv_state_spec_kernel[(num_requests, triton.cdiv(width, block_cs))](
+            conv_inputs, conv_state_cache, query_start_loc, state_indices, continues, write_indices, width, span,
+            positions, *strides, *per_request, write_indices.stride(0), write_indices.stride(1),
+            HAS_INITIAL=has_initial_state is not None, BLOCK_C=block_cs, BLOCK_S=triton.next_power_of_2(span),
+            BLOCK_P=block_p,
         )  # fmt: skip
     return term
 
@@ -626,6 +638,63 @@ if HAVE_TRITON:
             tl.debug_barrier()
             tl.store(row + js[None, :] * stride_state_pos, value.to(state_ptr.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _conv_state_spec_kernel(  # type: ignore[no-untyped-def]
+        conv_in_ptr,
+        state_ptr,
+        qsl_ptr,
+        state_indices_ptr,
+        continues_ptr,
+        write_ptr,
+        width,
+        span,
+        positions,
+        stride_state_slot,
+        stride_state_channel,
+        stride_state_pos,
+        stride_slot_index,
+        stride_continues,
+        stride_write_req,
+        stride_write_pos,
+        HAS_INITIAL: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+    ):
+        # One program per (request, channel block) of a speculative verify step: the state after
+        # each of its first j + 1 tokens, entries [j + 1, j + 1 + span) of [old state | the new
+        # conv inputs], goes to write slot j (where the request has more than j tokens and the slot
+        # is not negative). The slot read from is usually one of the write slots: every state is
+        # loaded, as one [P, C, S] tile, before any is stored (the barrier).
+        r = tl.program_id(0)
+        slot = tl.load(state_indices_ptr + r * stride_slot_index)
+        first = tl.load(qsl_ptr + r)
+        count = tl.load(qsl_ptr + r + 1) - first
+        if (slot >= 0) & (count > 0):
+            cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+            js = tl.arange(0, BLOCK_S)
+            ps = tl.arange(0, BLOCK_P)
+            dest = tl.load(write_ptr + r * stride_write_req + ps * stride_write_pos, mask=ps < positions, other=-1)
+            writes = (ps < positions) & (ps < count) & (dest >= 0)
+            ok = writes[:, None, None] & (cs < width)[None, :, None] & (js < span)[None, None, :]
+            history = (ps + 1)[:, None, None] + js[None, None, :]
+            keeps_old = history < span
+            keeps_old_read = keeps_old
+            if HAS_INITIAL:
+                keeps_old_read = keeps_old & (tl.load(continues_ptr + r * stride_continues) != 0)
+            channels = cs[None, :, None] * stride_state_channel
+            row = state_ptr + slot.to(tl.int64) * stride_state_slot + channels
+            old = tl.load(row + history * stride_state_pos, mask=ok & keeps_old_read, other=0.0)
+            new = tl.load(
+                conv_in_ptr + (first + history - span) * width + cs[None, :, None],
+                mask=ok & (history >= span),
+                other=0.0,
+            )
+            value = tl.where(keeps_old, old.to(conv_in_ptr.dtype.element_ty), new)
+            tl.debug_barrier()
+            out = state_ptr + tl.maximum(dest, 0).to(tl.int64)[:, None, None] * stride_state_slot + channels
+            tl.store(out + js[None, None, :] * stride_state_pos, value.to(state_ptr.dtype.element_ty), mask=ok)
+
 
 # ---------------------------------------------------------------------------------------------
 # The n-gram rows and the context update in two kernels
@@ -645,10 +714,13 @@ def ngram_rows_triton(
     *,
     heads_per_ngram: int,
     eos_token_id: int,
+    write_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`ngram_rows_varlen` without speculative verify rows: the rows of every token (reading the
-    contexts before they move), then each written slot's new context. The same int64 arithmetic
-    (wrapping products, xor, a non-negative remainder), so the same rows bit for bit."""
+    """`ngram_rows_varlen` in two kernels: the rows of every token (reading the contexts before
+    they move), then each written slot's new context (with ``write_indices`` ``[R, P]``, the
+    context after each token j into ``write_indices[r, j]``, all read before any is written). The
+    same int64 arithmetic (wrapping products, xor, a non-negative remainder), so the same rows
+    bit for bit."""
     num_tokens = token_ids.shape[0]
     num_requests = query_start_loc.shape[0] - 1
     ngram_size = multipliers.shape[0]
@@ -664,10 +736,17 @@ def ngram_rows_triton(
             eos_token_id, NGRAM=ngram_size, HEADS_PER_NGRAM=heads_per_ngram, HAS_INITIAL=has_initial_state is not None,
             BLOCK_HEADS=triton.next_power_of_2(heads_per_ngram),
         )  # fmt: skip
-    if num_requests:
+    if num_requests and write_indices is None:
         _ngram_context_kernel[(num_requests,)](
             token_ids, query_start_loc, *common, eos_token_id, CONTEXT=ngram_size - 1,
             HAS_INITIAL=has_initial_state is not None, BLOCK=triton.next_power_of_2(ngram_size - 1),
+        )  # fmt: skip
+    elif num_requests:
+        positions = write_indices.shape[1]
+        _ngram_context_spec_kernel[(num_requests,)](
+            token_ids, query_start_loc, *common, write_indices, positions, write_indices.stride(0),
+            write_indices.stride(1), eos_token_id, CONTEXT=ngram_size - 1, HAS_INITIAL=has_initial_state is not None,
+            BLOCK=triton.next_power_of_2(ngram_size - 1), BLOCK_P=triton.next_power_of_2(positions),
         )  # fmt: skip
     return rows
 
@@ -762,3 +841,50 @@ if HAVE_TRITON:
             value = tl.where(keeps_old, old, new)
             tl.debug_barrier()
             tl.store(row + js * stride_context_pos, value, mask=ok)
+
+    @triton.jit
+    def _ngram_context_spec_kernel(  # type: ignore[no-untyped-def]
+        ids_ptr,
+        qsl_ptr,
+        context_ptr,
+        state_indices_ptr,
+        continues_ptr,
+        stride_context_slot,
+        stride_context_pos,
+        stride_slot_index,
+        stride_continues,
+        write_ptr,
+        positions,
+        stride_write_req,
+        stride_write_pos,
+        eos,
+        CONTEXT: tl.constexpr,
+        HAS_INITIAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+    ):
+        # One program per request of a speculative verify step: the context after its first j + 1
+        # tokens, entries [j + 1, j + n) of [old context | the new ids], into write slot j (where
+        # the request has more than j tokens and the slot is not negative); all loaded before any
+        # is stored, since the slot read from is usually one of the write slots.
+        r = tl.program_id(0)
+        slot = tl.load(state_indices_ptr + r * stride_slot_index)
+        first = tl.load(qsl_ptr + r)
+        count = tl.load(qsl_ptr + r + 1) - first
+        if (slot >= 0) & (count > 0):
+            js = tl.arange(0, BLOCK)
+            ps = tl.arange(0, BLOCK_P)
+            dest = tl.load(write_ptr + r * stride_write_req + ps * stride_write_pos, mask=ps < positions, other=-1)
+            writes = (ps < positions) & (ps < count) & (dest >= 0)
+            ok = writes[:, None] & (js < CONTEXT)[None, :]
+            history = (ps + 1)[:, None] + js[None, :]
+            keeps_old = history < CONTEXT
+            row = context_ptr + slot.to(tl.int64) * stride_context_slot
+            old = tl.load(row + history * stride_context_pos, mask=ok & keeps_old, other=0)
+            if HAS_INITIAL:
+                old = tl.where(tl.load(continues_ptr + r * stride_continues) != 0, old, eos)
+            new = tl.load(ids_ptr + first + history - CONTEXT, mask=ok & (history >= CONTEXT), other=0).to(tl.int64)
+            value = tl.where(keeps_old, old, new)
+            tl.debug_barrier()
+            out = context_ptr + tl.maximum(dest, 0).to(tl.int64)[:, None] * stride_context_slot
+            tl.store(out + js[None, :] * stride_context_pos, value, mask=ok)
