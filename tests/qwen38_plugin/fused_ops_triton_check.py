@@ -319,7 +319,7 @@ def spec_step(entries: list[Any], trailing: int) -> dict[str, Any]:
 
 def check_ple_spec_conv_state() -> str:
     """PLE's conv term and state update for speculative verify rows (`ple_mix_varlen` with
-    ``write_indices``: on CUDA the term kernel and `_conv_state_spec_kernel`) against its torch
+    ``write_indices``: on CUDA the term kernel and `_conv_state_kernel` with SPEC) against its torch
     ops: the term and every slot of the cache afterwards, with and without has_initial_state."""
     hidden, hc_count, kernel, ngram, slots = 16, 4, 4, 3, 10
     width, span = hidden * hc_count, (kernel - 1) * ngram
@@ -355,7 +355,7 @@ def check_ple_spec_conv_state() -> str:
 
 def check_ple_spec_ngram_context() -> str:
     """PLE's n-gram rows and context update for speculative verify rows (`ngram_rows_varlen` with
-    ``write_indices``: on CUDA the rows kernel and `_ngram_context_spec_kernel`) against its torch
+    ``write_indices``: on CUDA the rows kernel and `_ngram_context_kernel` with SPEC) against its torch
     ops, bit for bit: every row and every context slot afterwards."""
     ngram, heads_per_ngram, eos, slots = 4, 3, 7, 10
     gen = torch.Generator().manual_seed(23)

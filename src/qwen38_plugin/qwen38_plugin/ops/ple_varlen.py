@@ -513,21 +513,18 @@ def conv_term_triton(
             continues, width, span, ngram_size, *strides, conv_weight.stride(0), conv_weight.stride(1), *per_request,
             KERNEL=kernel, HAS_INITIAL=has_initial_state is not None, BLOCK_C=block_c,
         )  # fmt: skip
-    if num_requests and write_indices is None:
-        _conv_state_kernel[(num_requests, triton.cdiv(width, block_c))](
-            conv_inputs, conv_state_cache, query_start_loc, state_indices, continues, width, span, *strides,
-            *per_request, HAS_INITIAL=has_initial_state is not None, BLOCK_C=block_c,
-            BLOCK_S=triton.next_power_of_2(span),
-        )  # fmt: skip
-    elif num_requests:
-        positions = write_indices.shape[1]
-        block_p = triton.next_power_of_2(positions)
-        block_cs = max(16, block_c // block_p)  # P states a program: keep its tile near the plain kernel's
-        _conv_state_spec_kernel[(num_requests, triton.cdiv(width, block_cs))](
-            conv_inputs, conv_state_cache, query_start_loc, state_indices, continues, write_indices, width, span,
-            positions, *strides, *per_request, write_indices.stride(0), write_indices.stride(1),
-            HAS_INITIAL=has_initial_state is not None, BLOCK_C=block_cs, BLOCK_S=triton.next_power_of_2(span),
-            BLOCK_P=block_p,
+    if num_requests:
+        # with speculative verify rows, P states a request: a narrower channel block keeps the tile near
+        # the plain kernel's
+        spec = write_indices is not None
+        writes = write_indices if write_indices is not None else state_indices[:, None]
+        block_p = triton.next_power_of_2(writes.shape[1])
+        block_cs = max(16, block_c // block_p)
+        _conv_state_kernel[(num_requests, triton.cdiv(width, block_cs))](
+            conv_inputs, conv_state_cache, query_start_loc, state_indices, continues, writes, width, span,
+            writes.shape[1], *strides, *per_request, writes.stride(0), writes.stride(1),
+            HAS_INITIAL=has_initial_state is not None, SPEC=spec, BLOCK_C=block_cs,
+            BLOCK_S=triton.next_power_of_2(span), BLOCK_P=block_p,
         )  # fmt: skip
     return term
 
@@ -602,49 +599,6 @@ if HAVE_TRITON:
         qsl_ptr,
         state_indices_ptr,
         continues_ptr,
-        width,
-        span,
-        stride_state_slot,
-        stride_state_channel,
-        stride_state_pos,
-        stride_slot_index,
-        stride_continues,
-        HAS_INITIAL: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-    ):
-        # One program per (request, channel block): after its c new tokens the state is entries
-        # [c, c + span) of [old state | the c new conv inputs]. The old entries are all read
-        # before any is written (the barrier), since the slot is updated in place.
-        r = tl.program_id(0)
-        slot = tl.load(state_indices_ptr + r * stride_slot_index)
-        first = tl.load(qsl_ptr + r)
-        count = tl.load(qsl_ptr + r + 1) - first
-        if (slot >= 0) & (count > 0):
-            cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-            js = tl.arange(0, BLOCK_S)
-            ok = (cs < width)[:, None] & (js < span)[None, :]
-            history = count + js[None, :]
-            keeps_old = history < span
-            keeps_old_read = keeps_old
-            if HAS_INITIAL:
-                keeps_old_read = keeps_old & (tl.load(continues_ptr + r * stride_continues) != 0)
-            row = state_ptr + slot.to(tl.int64) * stride_state_slot + cs[:, None] * stride_state_channel
-            old = tl.load(row + history * stride_state_pos, mask=ok & keeps_old_read, other=0.0)
-            new = tl.load(
-                conv_in_ptr + (first + history - span) * width + cs[:, None], mask=ok & (history >= span), other=0.0
-            )
-            value = tl.where(keeps_old, old.to(conv_in_ptr.dtype.element_ty), new)
-            tl.debug_barrier()
-            tl.store(row + js[None, :] * stride_state_pos, value.to(state_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _conv_state_spec_kernel(  # type: ignore[no-untyped-def]
-        conv_in_ptr,
-        state_ptr,
-        qsl_ptr,
-        state_indices_ptr,
-        continues_ptr,
         write_ptr,
         width,
         span,
@@ -657,15 +611,18 @@ if HAVE_TRITON:
         stride_write_req,
         stride_write_pos,
         HAS_INITIAL: tl.constexpr,
+        SPEC: tl.constexpr,
         BLOCK_C: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_P: tl.constexpr,
     ):
-        # One program per (request, channel block) of a speculative verify step: the state after
-        # each of its first j + 1 tokens, entries [j + 1, j + 1 + span) of [old state | the new
-        # conv inputs], goes to write slot j (where the request has more than j tokens and the slot
-        # is not negative). The slot read from is usually one of the write slots: every state is
-        # loaded, as one [P, C, S] tile, before any is stored (the barrier).
+        # One program per (request, channel block): after c of its new tokens the state is
+        # entries [c, c + span) of [old state | the new conv inputs]. Without SPEC, c is all of
+        # them and the state goes back to the slot read from; with SPEC (speculative verify rows)
+        # the state after each of its first j + 1 tokens goes to write slot j (where the request
+        # has more than j tokens and the slot is not negative), and the slot read from is usually
+        # one of those. Either way every state is loaded, as one [P, C, S] tile, before any is
+        # stored (the barrier).
         r = tl.program_id(0)
         slot = tl.load(state_indices_ptr + r * stride_slot_index)
         first = tl.load(qsl_ptr + r)
@@ -674,10 +631,16 @@ if HAVE_TRITON:
             cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
             js = tl.arange(0, BLOCK_S)
             ps = tl.arange(0, BLOCK_P)
-            dest = tl.load(write_ptr + r * stride_write_req + ps * stride_write_pos, mask=ps < positions, other=-1)
-            writes = (ps < positions) & (ps < count) & (dest >= 0)
+            if SPEC:
+                dest = tl.load(write_ptr + r * stride_write_req + ps * stride_write_pos, mask=ps < positions, other=-1)
+                writes = (ps < positions) & (ps < count) & (dest >= 0)
+                ends = ps + 1
+            else:
+                dest = tl.zeros((BLOCK_P,), dtype=slot.dtype) + slot
+                writes = ps < 1
+                ends = tl.zeros((BLOCK_P,), dtype=count.dtype) + count
             ok = writes[:, None, None] & (cs < width)[None, :, None] & (js < span)[None, None, :]
-            history = (ps + 1)[:, None, None] + js[None, None, :]
+            history = ends[:, None, None] + js[None, None, :]
             keeps_old = history < span
             keeps_old_read = keeps_old
             if HAS_INITIAL:
@@ -736,17 +699,13 @@ def ngram_rows_triton(
             eos_token_id, NGRAM=ngram_size, HEADS_PER_NGRAM=heads_per_ngram, HAS_INITIAL=has_initial_state is not None,
             BLOCK_HEADS=triton.next_power_of_2(heads_per_ngram),
         )  # fmt: skip
-    if num_requests and write_indices is None:
+    if num_requests:
+        writes = write_indices if write_indices is not None else state_indices[:, None]
         _ngram_context_kernel[(num_requests,)](
-            token_ids, query_start_loc, *common, eos_token_id, CONTEXT=ngram_size - 1,
-            HAS_INITIAL=has_initial_state is not None, BLOCK=triton.next_power_of_2(ngram_size - 1),
-        )  # fmt: skip
-    elif num_requests:
-        positions = write_indices.shape[1]
-        _ngram_context_spec_kernel[(num_requests,)](
-            token_ids, query_start_loc, *common, write_indices, positions, write_indices.stride(0),
-            write_indices.stride(1), eos_token_id, CONTEXT=ngram_size - 1, HAS_INITIAL=has_initial_state is not None,
-            BLOCK=triton.next_power_of_2(ngram_size - 1), BLOCK_P=triton.next_power_of_2(positions),
+            token_ids, query_start_loc, *common, writes, writes.shape[1], writes.stride(0), writes.stride(1),
+            eos_token_id, CONTEXT=ngram_size - 1, HAS_INITIAL=has_initial_state is not None,
+            SPEC=write_indices is not None, BLOCK=triton.next_power_of_2(ngram_size - 1),
+            BLOCK_P=triton.next_power_of_2(writes.shape[1]),
         )  # fmt: skip
     return rows
 
@@ -817,42 +776,6 @@ if HAVE_TRITON:
         stride_context_pos,
         stride_slot_index,
         stride_continues,
-        eos,
-        CONTEXT: tl.constexpr,
-        HAS_INITIAL: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # One program per request: after its c tokens the context is entries [c, c + n - 1) of
-        # [old context | the c new ids]; the old entries are read before any is written.
-        r = tl.program_id(0)
-        slot = tl.load(state_indices_ptr + r * stride_slot_index)
-        first = tl.load(qsl_ptr + r)
-        count = tl.load(qsl_ptr + r + 1) - first
-        if (slot >= 0) & (count > 0):
-            js = tl.arange(0, BLOCK)
-            ok = js < CONTEXT
-            history = count + js
-            keeps_old = history < CONTEXT
-            row = context_ptr + slot.to(tl.int64) * stride_context_slot
-            old = tl.load(row + history * stride_context_pos, mask=ok & keeps_old, other=0)
-            if HAS_INITIAL:
-                old = tl.where(tl.load(continues_ptr + r * stride_continues) != 0, old, eos)
-            new = tl.load(ids_ptr + first + history - CONTEXT, mask=ok & (history >= CONTEXT), other=0).to(tl.int64)
-            value = tl.where(keeps_old, old, new)
-            tl.debug_barrier()
-            tl.store(row + js * stride_context_pos, value, mask=ok)
-
-    @triton.jit
-    def _ngram_context_spec_kernel(  # type: ignore[no-untyped-def]
-        ids_ptr,
-        qsl_ptr,
-        context_ptr,
-        state_indices_ptr,
-        continues_ptr,
-        stride_context_slot,
-        stride_context_pos,
-        stride_slot_index,
-        stride_continues,
         write_ptr,
         positions,
         stride_write_req,
@@ -860,13 +783,14 @@ if HAVE_TRITON:
         eos,
         CONTEXT: tl.constexpr,
         HAS_INITIAL: tl.constexpr,
+        SPEC: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCK_P: tl.constexpr,
     ):
-        # One program per request of a speculative verify step: the context after its first j + 1
-        # tokens, entries [j + 1, j + n) of [old context | the new ids], into write slot j (where
-        # the request has more than j tokens and the slot is not negative); all loaded before any
-        # is stored, since the slot read from is usually one of the write slots.
+        # One program per request: after c of its tokens the context is entries [c, c + n - 1) of
+        # [old context | the new ids]; without SPEC c is all of them, back into the slot read from,
+        # with SPEC the context after each of its first j + 1 tokens goes to write slot j (as in
+        # _conv_state_kernel); every context is loaded before any is stored.
         r = tl.program_id(0)
         slot = tl.load(state_indices_ptr + r * stride_slot_index)
         first = tl.load(qsl_ptr + r)
@@ -874,10 +798,16 @@ if HAVE_TRITON:
         if (slot >= 0) & (count > 0):
             js = tl.arange(0, BLOCK)
             ps = tl.arange(0, BLOCK_P)
-            dest = tl.load(write_ptr + r * stride_write_req + ps * stride_write_pos, mask=ps < positions, other=-1)
-            writes = (ps < positions) & (ps < count) & (dest >= 0)
+            if SPEC:
+                dest = tl.load(write_ptr + r * stride_write_req + ps * stride_write_pos, mask=ps < positions, other=-1)
+                writes = (ps < positions) & (ps < count) & (dest >= 0)
+                ends = ps + 1
+            else:
+                dest = tl.zeros((BLOCK_P,), dtype=slot.dtype) + slot
+                writes = ps < 1
+                ends = tl.zeros((BLOCK_P,), dtype=count.dtype) + count
             ok = writes[:, None] & (js < CONTEXT)[None, :]
-            history = (ps + 1)[:, None] + js[None, :]
+            history = ends[:, None] + js[None, :]
             keeps_old = history < CONTEXT
             row = context_ptr + slot.to(tl.int64) * stride_context_slot
             old = tl.load(row + history * stride_context_pos, mask=ok & keeps_old, other=0)
