@@ -593,6 +593,33 @@ if HAVE_TRITON:
         tl.store(term_ptr + token * width + cs, tl.where(is_token, term, 0.0).to(dtype), mask=ok)
 
     @triton.jit
+    def _states_written(  # type: ignore[no-untyped-def]
+        write_ptr,
+        r,
+        stride_write_req,
+        stride_write_pos,
+        positions,
+        slot,
+        count,
+        SPEC: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+    ):
+        # The states a state kernel stores for request r: (slot [P], stored? [P], tokens taken [P]).
+        # Without SPEC one, after all `count` tokens, into the slot read from; with SPEC the one
+        # after each of its first j + 1 tokens into write slot j, where it has more than j tokens
+        # and the slot is not negative.
+        ps = tl.arange(0, BLOCK_P)
+        if SPEC:
+            dest = tl.load(write_ptr + r * stride_write_req + ps * stride_write_pos, mask=ps < positions, other=-1)
+            writes = (ps < positions) & (ps < count) & (dest >= 0)
+            ends = ps + 1
+        else:
+            dest = tl.zeros((BLOCK_P,), dtype=slot.dtype) + slot
+            writes = ps < 1
+            ends = tl.zeros((BLOCK_P,), dtype=count.dtype) + count
+        return dest, writes, ends
+
+    @triton.jit
     def _conv_state_kernel(  # type: ignore[no-untyped-def]
         conv_in_ptr,
         state_ptr,
@@ -630,15 +657,9 @@ if HAVE_TRITON:
         if (slot >= 0) & (count > 0):
             cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
             js = tl.arange(0, BLOCK_S)
-            ps = tl.arange(0, BLOCK_P)
-            if SPEC:
-                dest = tl.load(write_ptr + r * stride_write_req + ps * stride_write_pos, mask=ps < positions, other=-1)
-                writes = (ps < positions) & (ps < count) & (dest >= 0)
-                ends = ps + 1
-            else:
-                dest = tl.zeros((BLOCK_P,), dtype=slot.dtype) + slot
-                writes = ps < 1
-                ends = tl.zeros((BLOCK_P,), dtype=count.dtype) + count
+            dest, writes, ends = _states_written(
+                write_ptr, r, stride_write_req, stride_write_pos, positions, slot, count, SPEC, BLOCK_P
+            )
             ok = writes[:, None, None] & (cs < width)[None, :, None] & (js < span)[None, None, :]
             history = ends[:, None, None] + js[None, None, :]
             keeps_old = history < span
@@ -797,15 +818,9 @@ if HAVE_TRITON:
         count = tl.load(qsl_ptr + r + 1) - first
         if (slot >= 0) & (count > 0):
             js = tl.arange(0, BLOCK)
-            ps = tl.arange(0, BLOCK_P)
-            if SPEC:
-                dest = tl.load(write_ptr + r * stride_write_req + ps * stride_write_pos, mask=ps < positions, other=-1)
-                writes = (ps < positions) & (ps < count) & (dest >= 0)
-                ends = ps + 1
-            else:
-                dest = tl.zeros((BLOCK_P,), dtype=slot.dtype) + slot
-                writes = ps < 1
-                ends = tl.zeros((BLOCK_P,), dtype=count.dtype) + count
+            dest, writes, ends = _states_written(
+                write_ptr, r, stride_write_req, stride_write_pos, positions, slot, count, SPEC, BLOCK_P
+            )
             ok = writes[:, None] & (js < CONTEXT)[None, :]
             history = ends[:, None] + js[None, :]
             keeps_old = history < CONTEXT
