@@ -179,6 +179,33 @@ def check_ple_gated_conv_inputs() -> str:
     return f"{cases} cases, worst rel err {worst:.2e}"
 
 
+def step_indices(entries: list[Any], trailing: int) -> dict[str, Any]:
+    """A step's index tensors (on DEVICE) for entries ``(tokens, slot, continues[, write slots])``
+    per request and ``trailing`` padding rows: token_req, query_start_loc, the slots and continue
+    flags as strided block-table columns (the spare column holds other requests' values, so a
+    stride-blind read takes the wrong ones) and, where the entries name them, the write slots of
+    speculative verify rows as a strided ``[R, P]`` view (else None)."""
+    counts = torch.tensor([e[0] for e in entries])
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
+    num_tokens = int(counts.sum()) + trailing
+    token_req = torch.full((num_tokens,), -1, dtype=torch.int32)
+    for r, (n, *_) in enumerate(entries):
+        token_req[int(qsl[r]) : int(qsl[r]) + n] = r
+    slot_list = [e[1] for e in entries]
+    flags = torch.tensor([e[2] for e in entries])
+    write_indices = None
+    if len(entries[0]) > 3:
+        writes = torch.tensor([e[3] for e in entries], dtype=torch.int32)
+        spare = torch.full((len(entries), 1), 99, dtype=torch.int32)  # vLLM's spec slots are a block-table slice
+        write_indices = torch.cat([writes, spare], dim=1).to(DEVICE)[:, :-1]
+    return {
+        "num_tokens": num_tokens, "token_req": token_req.to(DEVICE), "qsl": qsl.to(DEVICE),
+        "state_indices": block_table_column(torch.tensor(slot_list, dtype=torch.int32),
+                                            torch.tensor(slot_list[::-1], dtype=torch.int32)),
+        "has_initial": block_table_column(flags, ~flags), "write_indices": write_indices,
+    }  # fmt: skip
+
+
 def check_ple_conv_term() -> str:
     """PLE's conv and state update (`ple_mix_varlen` with ``query_start_loc``: two kernels on
     CUDA) against its torch ops: the term and every slot of the conv-state cache afterwards, over
@@ -197,18 +224,8 @@ def check_ple_conv_term() -> str:
     ]
     for dtype in DTYPES:
         for entries, trailing in steps:
-            counts = torch.tensor([e[0] for e in entries])
-            qsl = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
-            num_tokens = int(counts.sum()) + trailing
-            token_req = torch.full((num_tokens,), -1, dtype=torch.int32)
-            for r, (n, _, _) in enumerate(entries):
-                token_req[int(qsl[r]) : int(qsl[r]) + n] = r
-            slot_list = [e[1] for e in entries]
-            # the spare column: other requests' slots (reversed), so a stride-blind read writes the wrong slots
-            state_indices = block_table_column(torch.tensor(slot_list, dtype=torch.int32),
-                                               torch.tensor(slot_list[::-1], dtype=torch.int32))  # fmt: skip
-            flags = torch.tensor([e[2] for e in entries])
-            has_initial = block_table_column(flags, ~flags)
+            step = step_indices(entries, trailing)
+            num_tokens = step["num_tokens"]
             streams, key = randn(num_tokens, width, dtype=dtype), randn(num_tokens, width, dtype=dtype)
             value = randn(num_tokens, hidden, dtype=dtype)
             norms = [randn(width, scale=0.1, dtype=dtype) for _ in range(3)]
@@ -222,9 +239,9 @@ def check_ple_conv_term() -> str:
                 cache_buffer = buffer.clone()
                 cache = cache_buffer[:, 1 : 1 + width * span].view(slots, width, span)  # strided, as vLLM binds it
                 term = ple_varlen.ple_mix_varlen(
-                    streams, key, value, *norms, weight, cache, token_req.to(DEVICE), qsl[:-1].to(DEVICE),
-                    state_indices.to(DEVICE), has_initial.to(DEVICE), hc_count=hc_count, ngram_size=ngram, eps=1e-6,
-                    query_start_loc=qsl.to(DEVICE), backend=backend,
+                    streams, key, value, *norms, weight, cache, step["token_req"], step["qsl"][:-1],
+                    step["state_indices"], step["has_initial"], hc_count=hc_count, ngram_size=ngram, eps=1e-6,
+                    query_start_loc=step["qsl"], backend=backend,
                 )  # fmt: skip
                 results.append((term, cache_buffer))
             (ref_term, ref_cache), (term, cache) = results
@@ -253,28 +270,18 @@ def check_ple_ngram_rows() -> str:
     ]
     for entries, trailing in steps:
         for has_initial_given in (True, False):
-            counts = torch.tensor([e[0] for e in entries])
-            qsl = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
-            num_tokens = int(counts.sum()) + trailing
-            token_req = torch.full((num_tokens,), -1, dtype=torch.int32)
-            for r, (n, _, _) in enumerate(entries):
-                token_req[int(qsl[r]) : int(qsl[r]) + n] = r
-            ids = torch.randint(0, 12, (num_tokens,), generator=gen)  # small ids: EOS (7) comes up often
+            step = step_indices(entries, trailing)
+            ids = torch.randint(0, 12, (step["num_tokens"],), generator=gen)  # small ids: EOS (7) comes up often
             buffer = torch.randint(0, 12, (slots, ngram + 2), generator=gen)
-            slot_list = [e[1] for e in entries]
-            state_indices = block_table_column(torch.tensor(slot_list, dtype=torch.int32),
-                                               torch.tensor(slot_list[::-1], dtype=torch.int32))  # fmt: skip
-            flags = torch.tensor([e[2] for e in entries])
-            has_initial = block_table_column(flags, ~flags) if has_initial_given else None
+            has_initial = step["has_initial"] if has_initial_given else None
             results = []
             for backend in ("torch", "triton"):
                 context_buffer = buffer.clone().to(DEVICE)
                 context = context_buffer[:, 1:ngram]  # strided, as vLLM binds it
                 rows = ple_varlen.ngram_rows_varlen(
-                    ids.to(DEVICE), token_req.to(DEVICE), qsl[:-1].to(DEVICE), context, state_indices.to(DEVICE),
-                    None if has_initial is None else has_initial.to(DEVICE), multipliers.to(DEVICE),
-                    sizes.to(DEVICE), offsets.to(DEVICE), heads_per_ngram=heads_per_ngram, eos_token_id=eos,
-                    query_start_loc=qsl.to(DEVICE), backend=backend,
+                    ids.to(DEVICE), step["token_req"], step["qsl"][:-1], context, step["state_indices"], has_initial,
+                    multipliers.to(DEVICE), sizes.to(DEVICE), offsets.to(DEVICE), heads_per_ngram=heads_per_ngram,
+                    eos_token_id=eos, query_start_loc=step["qsl"], backend=backend,
                 )  # fmt: skip
                 results.append((rows, context_buffer))
             (ref_rows, ref_context), (rows, context) = results
@@ -294,29 +301,6 @@ SPEC_STEPS = [
 ]
 
 
-def spec_step(entries: list[Any], trailing: int) -> dict[str, Any]:
-    """The step's index tensors (on DEVICE) for SPEC_STEPS entries: token_req, query_start_loc,
-    the read slots and continue flags as strided block-table columns, the write slots as a
-    strided ``[R, P]`` view."""
-    counts = torch.tensor([e[0] for e in entries])
-    qsl = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
-    num_tokens = int(counts.sum()) + trailing
-    token_req = torch.full((num_tokens,), -1, dtype=torch.int32)
-    for r, (n, *_) in enumerate(entries):
-        token_req[int(qsl[r]) : int(qsl[r]) + n] = r
-    slot_list = [e[1] for e in entries]
-    flags = torch.tensor([e[2] for e in entries])
-    writes = torch.tensor([e[3] for e in entries], dtype=torch.int32)
-    spare = torch.full((len(entries), 1), 99, dtype=torch.int32)  # vLLM's spec slots are a block-table slice
-    return {
-        "num_tokens": num_tokens, "token_req": token_req.to(DEVICE), "qsl": qsl.to(DEVICE),
-        "state_indices": block_table_column(torch.tensor(slot_list, dtype=torch.int32),
-                                            torch.tensor(slot_list[::-1], dtype=torch.int32)),
-        "has_initial": block_table_column(flags, ~flags),
-        "write_indices": torch.cat([writes, spare], dim=1).to(DEVICE)[:, :-1],
-    }  # fmt: skip
-
-
 def check_ple_spec_conv_state() -> str:
     """PLE's conv term and state update for speculative verify rows (`ple_mix_varlen` with
     ``write_indices``: on CUDA the term kernel and `_conv_state_kernel` with SPEC) against its torch
@@ -327,7 +311,7 @@ def check_ple_spec_conv_state() -> str:
     for dtype in DTYPES:
         for entries, trailing in SPEC_STEPS:
             for has_initial_given in (False, True):
-                step = spec_step(entries, trailing)
+                step = step_indices(entries, trailing)
                 n = step["num_tokens"]
                 streams, key = randn(n, width, dtype=dtype), randn(n, width, dtype=dtype)
                 value = randn(n, hidden, dtype=dtype)
@@ -365,7 +349,7 @@ def check_ple_spec_ngram_context() -> str:
     cases = 0
     for entries, trailing in SPEC_STEPS:
         for has_initial_given in (False, True):
-            step = spec_step(entries, trailing)
+            step = step_indices(entries, trailing)
             ids = torch.randint(0, 12, (step["num_tokens"],), generator=gen).to(DEVICE)  # EOS (7) comes up often
             buffer = torch.randint(0, 12, (slots, ngram + 2), generator=gen).to(DEVICE)
             results = []
