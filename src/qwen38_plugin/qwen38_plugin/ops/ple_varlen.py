@@ -36,8 +36,8 @@ run inside vLLM's CUDA-graph-captured decode steps and on CPU alike.
 On CUDA the per-token part of stage 4 (`gated_conv_inputs`: both norms, the signed-sqrt gate,
 the conv input's norm) is one Triton kernel, the conv and the state update two more
 (`conv_term_triton`), the n-gram rows and the context update two (`ngram_rows_triton`), with or
-without speculative verify rows (on 2026-12-03 a verify step's PLE still ran its torch ops on the
-H200, dozens of small kernels a layer); each is checked against the torch ops here,
+without speculative verify rows (until 2026-12-03 a verify step ran PLE's torch ops on CUDA,
+hundreds of small kernels a layer); each is checked against the torch ops here,
 which stay the CPU path and the reference (``QWEN38_PLE_REFERENCE=1`` keeps them on CUDA).
 
 Padding: a token with ``token_req = -1``, or of a request whose slot is negative (vLLM's
@@ -517,7 +517,7 @@ def conv_term_triton(
         # with speculative verify rows, P states a request: a narrower channel block keeps the tile near
         # the plain kernel's
         spec = write_indices is not None
-        writes = write_indices if write_indices is not None else state_indices[:, None]
+        writes = write_indices if write_indices is not None else state_indices[:, None]  # (narrows the type)
         block_p = triton.next_power_of_2(writes.shape[1])
         block_cs = max(16, block_c // block_p)
         _conv_state_kernel[(num_requests, triton.cdiv(width, block_cs))](
