@@ -2,6 +2,7 @@
 ../shared/docs/h200-vllm.md installed (stock vLLM 0.32 and this checkout's plugins):
 
     python3 benchmarks/csf_loader/gpu_session.py $OUT [--only STEPS] [--skip STEPS] [--budget 540]
+        [--codecs nvfp4,mxfp4]
 
 Steps, in this order (each in child processes with time limits, results written to OUT as they
 come, so a command stopped at its limit still returns them; a step that no longer fits the
@@ -49,12 +50,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = [ROOT / "src" / p for p in ("csf_loader", "qwen38_plugin", "tool_parsers", "dflash2", "sm70_backend")]
 STEPS = ("kernels", "serve", "load", "tp2", "qwen4exp", "variants", "bench")
+CODECS = ("nvfp4", "mxfp4")
 LOGPROB_TOLERANCE = 1e-3  # where a kernel is not deterministic (atomics), the largest accepted difference
 
 
@@ -220,9 +223,9 @@ def _source_again(
     return engine(session, tag, model, tp, "auto", env)[0]
 
 
-def serve(session: Session, paths: dict[str, Path], tp: int) -> dict[str, Any]:
+def serve(session: Session, paths: dict[str, Path], tp: int, codecs: Sequence[str] = CODECS) -> dict[str, Any]:
     report: dict[str, Any] = {}
-    for codec in ("nvfp4", "mxfp4"):
+    for codec in codecs:
         source, s_info = engine(session, f"{codec}-tp{tp}-source", paths[codec], tp, "auto")
         csf, c_info = engine(session, f"{codec}-tp{tp}-csf", paths[f"{codec}_csf"], tp, "csf")
         again = _source_again(session, f"{codec}-tp{tp}-source-again", paths[codec], tp, source, csf)
@@ -234,9 +237,9 @@ def serve(session: Session, paths: dict[str, Path], tp: int) -> dict[str, Any]:
     return report
 
 
-def load(session: Session, paths: dict[str, Path], repeats: int) -> dict[str, Any]:
+def load(session: Session, paths: dict[str, Path], repeats: int, codecs: Sequence[str] = CODECS) -> dict[str, Any]:
     report: dict[str, Any] = {}
-    for codec in ("nvfp4", "mxfp4"):
+    for codec in codecs:
         out = session.out / f"load-{codec}.json"
         script = "benchmarks/csf_loader/load_overhead.py"
         children = session.out / f"load-{codec}-children.log"
@@ -280,6 +283,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps of {STEPS}")
     parser.add_argument("--skip", default="")
+    parser.add_argument(
+        "--codecs", default=",".join(CODECS), help="the codecs of the serve, tp2 and load steps (a call may fit one)"
+    )
     parser.add_argument("--size", choices=["small", "tiny"], default="small")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole session")
     parser.add_argument(
@@ -293,6 +299,9 @@ def main() -> None:
     unknown = set(steps) - set(STEPS)
     if unknown:
         parser.error(f"unknown steps {sorted(unknown)}; use {STEPS}")
+    codecs = [c for c in args.codecs.split(",") if c]
+    if not codecs or set(codecs) - set(CODECS):
+        parser.error(f"--codecs {args.codecs!r}: use a comma-separated subset of {CODECS}")
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     session = Session(args.out, args.work, args.budget)
@@ -335,11 +344,11 @@ def main() -> None:
             if paths is None:
                 session.summary[step] = "not run: the checkpoints were not built (see build)"
             elif step == "serve":
-                serve(session, paths, 1)
+                serve(session, paths, 1, codecs)
             elif step == "tp2":
-                serve(session, paths, 2)
+                serve(session, paths, 2, codecs)
             else:
-                session.summary["load"] = load(session, paths, args.repeats)
+                session.summary["load"] = load(session, paths, args.repeats, codecs)
         session.save()
         print(f"{step}: done, {session.left():.0f} s left", flush=True)
     if not_run:
