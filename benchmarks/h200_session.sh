@@ -48,6 +48,9 @@
 #   f: does vLLM on the GPU draft what the DFlash reference drafts (dflash_drafts_check.py: the tiny target
 #      and a random drafter, every step's drafts against the fp32 reference): fp16 with CUDA graphs, fp16
 #      eager, bf16 eager (2026-12-02: a trained drafter predicted at 3.97 was accepted at 2.27 on the H200).
+#   g: the same for MTP (mtp_drafts_check.py: the tiny target's random MTP head, every draft by position
+#      against the fp32 oracle head): fp16 with CUDA graphs, fp16 eager (2026-12-02: a trained head's
+#      second draft was never accepted on the H200, while on CPU every draft was).
 #
 # This checkout's sources come first on PYTHONPATH (the kit's plugin wheels give the entry points).
 # Every child has a time limit; each part ends by packing its results into OUT/<part>.tar.gz
@@ -168,6 +171,18 @@ f)
         timeout $(lim "$limit") python3 benchmarks/qwen38_plugin/dflash_drafts_check.py "$res/drafts-$name" --dtype $@ \
             --work $work/drafts >"$res/drafts-$name.log" 2>&1
         grep '^dflash drafts' "$res/drafts-$name.log" || tail -3 "$res/drafts-$name.log"
+    done
+    ;;
+g)
+    for variant in "280 --graphs" "170"; do
+        set -- $variant
+        limit=$1
+        shift
+        name=float16$(echo "$*" | tr -d ' -')
+        # shellcheck disable=SC2068  # the variant's words
+        timeout $(lim "$limit") python3 benchmarks/qwen38_plugin/mtp_drafts_check.py "$res/mtp-drafts-$name" \
+            --dtype float16 $@ --work $work/mtp-drafts >"$res/mtp-drafts-$name.log" 2>&1
+        grep '^mtp drafts' "$res/mtp-drafts-$name.log" || tail -3 "$res/mtp-drafts-$name.log"
     done
     ;;
 q)

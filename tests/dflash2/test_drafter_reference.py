@@ -47,8 +47,13 @@ def engine_main() -> None:
     from vllm.inputs import TokensPrompt
 
     # DRAFTER_CHECK_DTYPE / DRAFTER_CHECK_GRAPHS: the same comparison on a GPU in its serving dtype with
-    # CUDA graphs (benchmarks/qwen38_plugin/dflash_drafts_check.py)
+    # CUDA graphs (benchmarks/qwen38_plugin/dflash_drafts_check.py); DRAFTER_CHECK_METHOD=mtp: the
+    # target's own MTP head drafts instead (``drafter`` unused; benchmarks/qwen38_plugin/mtp_drafts_check.py)
     graphs = os.environ.get("DRAFTER_CHECK_GRAPHS") == "1"
+    if os.environ.get("DRAFTER_CHECK_METHOD", "dflash") == "mtp":
+        speculative = {"method": "mtp", "num_speculative_tokens": DRAFTS}
+    else:
+        speculative = {"method": "dflash", "model": drafter, "num_speculative_tokens": DRAFTS}
     llm = LLM(
         model=model,
         seed=0,
@@ -61,7 +66,7 @@ def engine_main() -> None:
         skip_tokenizer_init=True,
         max_model_len=256,
         max_num_seqs=8,
-        speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": DRAFTS},
+        speculative_config=speculative,
     )
     prompts = json.loads(prompts_json)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
