@@ -45,10 +45,10 @@
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP.
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
-#   f: does vLLM on the GPU draft what the DFlash reference drafts (dflash_drafts_check.py: the tiny target
+#   f: does vLLM on the GPU draft what the DFlash reference drafts (drafts_check.py: the tiny target
 #      and a random drafter, every step's drafts against the fp32 reference): fp16 with CUDA graphs, fp16
 #      eager, bf16 eager (2026-12-02: a trained drafter predicted at 3.97 was accepted at 2.27 on the H200).
-#   g: the same for MTP (mtp_drafts_check.py: the tiny target's random MTP head, every draft by position
+#   g: the same for MTP (drafts_check.py --method mtp: the tiny target's random MTP head, each draft position
 #      against the fp32 oracle head): fp16 with CUDA graphs, fp16 eager (2026-12-02: a trained head's
 #      second draft was never accepted on the H200, while on CPU every draft was).
 #
@@ -168,9 +168,9 @@ f)
         shift
         name=$(echo "$*" | tr -d ' -')
         # shellcheck disable=SC2068  # the variant's words
-        timeout $(lim "$limit") python3 benchmarks/qwen38_plugin/dflash_drafts_check.py "$res/drafts-$name" --dtype $@ \
+        timeout $(lim "$limit") python3 benchmarks/qwen38_plugin/drafts_check.py "$res/drafts-$name" --dtype $@ \
             --work $work/drafts >"$res/drafts-$name.log" 2>&1
-        grep '^dflash drafts' "$res/drafts-$name.log" || tail -3 "$res/drafts-$name.log"
+        grep '^drafts ' "$res/drafts-$name.log" || tail -3 "$res/drafts-$name.log"
     done
     ;;
 g)
@@ -180,9 +180,9 @@ g)
         shift
         name=float16$(echo "$*" | tr -d ' -')
         # shellcheck disable=SC2068  # the variant's words
-        timeout $(lim "$limit") python3 benchmarks/qwen38_plugin/mtp_drafts_check.py "$res/mtp-drafts-$name" \
-            --dtype float16 $@ --work $work/mtp-drafts >"$res/mtp-drafts-$name.log" 2>&1
-        grep '^mtp drafts' "$res/mtp-drafts-$name.log" || tail -3 "$res/mtp-drafts-$name.log"
+        timeout $(lim "$limit") python3 benchmarks/qwen38_plugin/drafts_check.py "$res/mtp-drafts-$name" \
+            --method mtp --dtype float16 $@ --work $work/drafts >"$res/mtp-drafts-$name.log" 2>&1
+        grep '^drafts ' "$res/mtp-drafts-$name.log" || tail -3 "$res/mtp-drafts-$name.log"
     done
     ;;
 q)

@@ -47,8 +47,8 @@ def engine_main() -> None:
     from vllm.inputs import TokensPrompt
 
     # DRAFTER_CHECK_DTYPE / DRAFTER_CHECK_GRAPHS: the same comparison on a GPU in its serving dtype with
-    # CUDA graphs (benchmarks/qwen38_plugin/dflash_drafts_check.py); DRAFTER_CHECK_METHOD=mtp: the
-    # target's own MTP head drafts instead (``drafter`` unused; benchmarks/qwen38_plugin/mtp_drafts_check.py)
+    # CUDA graphs (benchmarks/qwen38_plugin/drafts_check.py); DRAFTER_CHECK_METHOD=mtp: the target's
+    # own MTP head drafts instead (``drafter`` unused; tests/qwen38_plugin/test_qwen38_mtp_drafts_engine.py)
     graphs = os.environ.get("DRAFTER_CHECK_GRAPHS") == "1"
     if os.environ.get("DRAFTER_CHECK_METHOD", "dflash") == "mtp":
         speculative = {"method": "mtp", "num_speculative_tokens": DRAFTS}

@@ -10,7 +10,7 @@ draft position, must be the oracle's.
 
 test_qwen38_mtp_drafter.py holds the head module to the oracle on hand-made metadata; this holds the
 proposer's use of it (which streams, positions, slots and K/V the chained steps get) in a real engine.
-The same comparison runs on a GPU, in vLLM's V2 runner, as benchmarks/qwen38_plugin/mtp_drafts_check.py.
+The same comparison runs on a GPU, in vLLM's V2 runner, as benchmarks/qwen38_plugin/drafts_check.py --method mtp.
 It can fail: chained steps that read the target's streams instead of their own lose the later drafts
 (checked below).
 """
