@@ -11,4 +11,5 @@ bin=.venv/bin
 "$bin/ruff" check .
 "$bin/ruff" format --check .
 "$bin/mypy"
-"$bin/pytest" -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+# --no-loadscope-reorder: files in tests/conftest.py's order (engine files first), not by test count
+"$bin/pytest" -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
