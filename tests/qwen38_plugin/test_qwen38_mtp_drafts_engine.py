@@ -27,8 +27,8 @@ import torch
 
 from tests.dflash2.test_drafter_reference import DRAFTS, PROMPT_LENGTHS, engine_command, engine_result
 from tests.engines import run_engine_script
+from tests.qwen38_plugin.test_qwen38_mtp_reference import MTP, load_oracle
 
-MTP = {"mtp_num_hidden_layers": 1}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -38,17 +38,10 @@ def mtp_reference_drafts(
     """The oracle head's drafts at each recorded step (as ``Qwen4ExpMTPReference.draft``) and each
     draft's top-two logit margin; ``chain_own_streams=False`` is a deliberate mistake (the chained
     steps read the target's last streams)."""
-    from transformers import AutoConfig
+    from qwen38_plugin.model import DictStateStore, SequenceCache
+    from qwen38_plugin.mtp_reference import MTPCache
 
-    from qwen38_plugin.model import DictStateStore, Qwen4ExpCore, SequenceCache, iter_safetensors
-    from qwen38_plugin.mtp_reference import MTPCache, Qwen4ExpMTPReference
-
-    config = AutoConfig.from_pretrained(target)
-    core, head = Qwen4ExpCore(config), Qwen4ExpMTPReference(config)
-    tensors = list(iter_safetensors(target))
-    core.load_checkpoint_tensors(tensors)
-    head.load_checkpoint_tensors(tensors)
-    core.eval(), head.eval()
+    core, head = load_oracle(target)
     drafts, margins = [], []
     with torch.no_grad():
         streams = []  # each request's target streams over all its tokens (causal: a prefix's are the same)

@@ -27,9 +27,13 @@ MTP = {"mtp_num_hidden_layers": 1}
 
 
 def _oracle(tiny_checkpoint: Callable[..., Path]) -> tuple[Qwen4ExpCore, Qwen4ExpMTPReference]:
+    return load_oracle(tiny_checkpoint("qwen4_exp_text", overrides=MTP, dtype="float32"))
+
+
+def load_oracle(model_dir: Path) -> tuple[Qwen4ExpCore, Qwen4ExpMTPReference]:
+    """The plain-torch target and MTP head of the checkpoint ``model_dir`` (eval)."""
     from transformers import AutoConfig
 
-    model_dir = tiny_checkpoint("qwen4_exp_text", overrides=MTP, dtype="float32")
     config = AutoConfig.from_pretrained(model_dir)
     core, head = Qwen4ExpCore(config), Qwen4ExpMTPReference(config)
     tensors = list(iter_safetensors(model_dir))
