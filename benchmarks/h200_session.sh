@@ -42,6 +42,10 @@
 #        A="--pretrain-steps 100000 --pretrain-seconds 300 --sequences 128 --new-tokens 128
 #           --train-steps 1200 --drafts 3 --no-untrained --dflash-drafts 3 --dflash-train-seconds 110"
 #      (next: --chain-train 3 as well, the head trained on its chained drafts: about 3x its 46 s)
+#      Since the batched QSA indexer, pretraining runs 0.24 s a step (5.1 s before): 120 s gave 493
+#      steps and non-degenerate text (2026-12-03; one call of BUDGET=555 with --pretrain-seconds 120
+#      and --methods dflash got through pretrain, generate and an 80 s drafter), so --pretrain-seconds
+#      120-180 fits the first call with generate and a second with both trainings.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP.
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).

@@ -798,6 +798,10 @@ def train_dflash(
     report["train_s"] = round(time.perf_counter() - start, 1)
     report["after"] = evaluate_dflash()
     print(f"dflash: after {report['after']} ({step} steps, {report['train_s']} s)", flush=True)
+    report["drafter"] = str(destination)
+    # written before the diagnostics below, so that a call cut short there keeps the trained drafter
+    # (2026-12-03: one was cut inside the fp16 prediction and the next call trained it again)
+    write_drafter(drafter, config, destination, report)
     # vLLM serves the drafter in the checkpoint's dtype; fp16 overflows where bf16 does not, so the
     # prediction again in fp16 tells whether that is why vLLM accepted fewer drafts than predicted
     # (2026-12-02 on the H200: 2.27 measured against 3.97 predicted in bf16)
@@ -806,8 +810,9 @@ def train_dflash(
         report["after_float16"] = evaluate_dflash(torch.autocast("cuda", dtype=torch.float16))
         print(f"dflash: in float16 {report['after_float16']}", flush=True)
     print(f"dflash: largest target feature {report['features_max_abs']:.1f}", flush=True)
-    report["drafter"] = str(destination)
-    write_drafter(drafter, config, destination, report)
+    partial = destination / "train_report.json.partial"
+    partial.write_text(json.dumps(report, indent=2))
+    partial.replace(destination / "train_report.json")
     return report
 
 
