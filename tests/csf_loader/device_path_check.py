@@ -38,7 +38,7 @@ from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, decode, encode
 from csf_loader.convert import main as csf_convert
 from csf_loader.device_decode import PlaneDecoder, StagingRing, stage_plane
 from csf_loader.stream import CsfLoadError, decode_csf_stream, mxfp4_container_stream
-from csf_loader.triton_decode import decode_triton_stacked
+from csf_loader.triton_decode import TRITON_START, decode_triton_stacked, describe_triton_start, prefetch_triton_start
 
 Stream = list[tuple[str, torch.Tensor]]
 FAILURES: list[str] = []
@@ -245,12 +245,23 @@ def main() -> int:
         check(decoder.kernel == "triton", f"the device decoder runs {decoder.kernel}, not the Triton kernel")
         return decoder
 
+    # as the loader does on CUDA: Triton's start on a helper thread, which the first launch joins
+    check(prefetch_triton_start() and prefetch_triton_start(), "Triton's start was not begun")
+    helper = TRITON_START.thread
     stream, shard_of = nvfp4_stream()
     same(
         consume(decode_csf_stream(stream, shard_of, decoder=host())),
         consume(decode_csf_stream(stream, shard_of, decoder=dev())),
         device,
         "NVFP4 stream",
+    )
+    check(
+        helper is TRITON_START.thread and helper is not None and not helper.is_alive(),
+        "the first launch did not join Triton's start (or a second one was begun)",
+    )
+    check(
+        TRITON_START.seconds is not None and "ran beside the load" in describe_triton_start(),
+        f"Triton's start: {TRITON_START}",
     )
     staged_planes(device)
     batched_windows(device, kernel)

@@ -38,7 +38,7 @@ from csf_loader.codec import (
     decode_region,
     exception_fields,
 )
-from csf_loader.triton_decode import HAVE_TRITON, decode_triton_stacked
+from csf_loader.triton_decode import HAVE_TRITON, decode_triton_stacked, wait_triton_start
 
 ENV = "CSF_LOADER_DECODE"
 KERNELS = ("auto", "torch", "triton")
@@ -67,6 +67,15 @@ def kernel_for(device: torch.device, requested: str | None = None) -> str:
     if choice == "triton" and not HAVE_TRITON:
         raise DecodeConfigError(f"{ENV}=triton: triton is not installed; install it or use {ENV}=torch")
     return choice
+
+
+def kernel_for_or_none(device: torch.device) -> str | None:
+    """``kernel_for`` from the environment, or None where ``CSF_LOADER_DECODE`` is invalid (the
+    loader's own call names it at startup)."""
+    try:
+        return kernel_for(device)
+    except DecodeConfigError:
+        return None
 
 
 def _device_empty(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -299,6 +308,7 @@ class PlaneDecoder:
         except torch.OutOfMemoryError:
             raise DeviceMemoryError(self._oom_message(planes, rows, cols, first.what)) from None
         most = max(plane.exceptions.numel() for plane in planes)
+        wait_triton_start()  # (counted apart from the launches: describe_triton_start)
         launched_at = time.perf_counter()
         decode_triton_stacked(fixed, words, starts, codec, len(jobs), rows, cols, out, most)
         launch = time.perf_counter() - launched_at
@@ -372,6 +382,7 @@ class PlaneDecoder:
         try:
             fixed, words, starts = self._staged_on_device(plane, codec, rows, cols, what)
             out = _device_empty((rows, cols), self.device)
+            wait_triton_start()
             return decode_triton_stacked(fixed, words, starts, codec, 1, rows, cols, out, words.numel())
         except torch.OutOfMemoryError:
             raise DeviceMemoryError(self._oom_message(plane, rows, cols, what)) from None

@@ -23,6 +23,7 @@ from csf_loader.device_decode import DeviceMemoryError, PlaneDecoder, PlaneJob
 from csf_loader.layout import Container, is_mxfp4_container, logical_2d, read_container, read_index
 from csf_loader.preflight import check_mxfp4_container, check_nvfp4_checkpoint
 from csf_loader.safetensors_io import TORCH_DTYPE, CheckpointError
+from csf_loader.triton_decode import describe_triton_start
 
 logger = logging.getLogger("vllm.plugins.csf_loader")
 
@@ -185,7 +186,8 @@ def log_decoded(decoder: PlaneDecoder, family: str) -> None:
             f", {decoder.copy_seconds:.3f} s of it staging the planes for the device" if decoder.copy_seconds else ""
         )
         logger.info(
-            "csf_loader: decoded %d %s scale planes %s (%d of them only this rank's TP extent, %.1f MB) in %.3f s%s%s",
+            "csf_loader: decoded %d %s scale planes %s (%d of them only this rank's TP extent, %.1f MB) "
+            "in %.3f s%s%s%s",
             decoder.planes,
             family,
             decoder.describe(),
@@ -194,6 +196,7 @@ def log_decoded(decoder: PlaneDecoder, family: str) -> None:
             decoder.seconds,
             launches,
             staging,
+            describe_triton_start() if decoder.launches else "",
         )
 
 

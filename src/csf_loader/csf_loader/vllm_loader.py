@@ -44,7 +44,7 @@ from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from csf_loader.codec import SLAB_ROWS
-from csf_loader.device_decode import DecodeConfigError, PlaneDecoder
+from csf_loader.device_decode import DecodeConfigError, PlaneDecoder, kernel_for_or_none
 from csf_loader.layout import is_mxfp4_container
 from csf_loader.stream import (
     CsfLoadError,
@@ -56,6 +56,7 @@ from csf_loader.stream import (
     read_mxfp4_contract,
     shard_index,
 )
+from csf_loader.triton_decode import prefetch_triton_start
 
 LOAD_FORMAT = "csf"
 
@@ -175,6 +176,11 @@ class CsfModelLoader(DefaultModelLoader):
         # Missing tensors must fail at startup for quantized checkpoints too (R40).
         if self.enable_weights_track is None:
             self.enable_weights_track = True
+        # The loader is built just before the model: Triton's per-process start (its installation
+        # hash) runs beside building the model and reading the weights instead of inside the
+        # first decode launch (triton_decode.TritonStart).
+        if torch.cuda.is_available() and kernel_for_or_none(torch.device("cuda")) == "triton":
+            prefetch_triton_start()
 
     def decoder_for(self, model: nn.Module) -> PlaneDecoder:
         """The plane decoder for this model: on the device its parameters live on."""
