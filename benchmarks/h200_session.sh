@@ -47,6 +47,8 @@
 #      and --methods dflash got through pretrain, generate and an 80 s drafter), so --pretrain-seconds
 #      120-180 fits the first call with generate and a second with both trainings.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
+#   r: issue 16 on the machine's GPUs: bench_tp.py (Flash-Next's per-layer geometry at TP 1 / 2 / 4 as
+#      the GPUs allow, MTP 3, DCP 2's answer; on one H200, TP=1 only).
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP.
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
 #   f: does vLLM on the GPU draft what the DFlash reference drafts (drafts_check.py: the tiny target
@@ -157,6 +159,15 @@ x)
             >"$res/sm70_engine.log" 2>&1
         tail -8 "$res/sm70_engine.log"
     fi
+    ;;
+r)
+    # issue 16 as far as the machine's GPUs allow (TP 2 and 4 need nvidia-h200-x2 / -x4; bench_tp.py lists
+    # the sizes it could not run): Flash-Next's real per-layer geometry (4 layers, the real vocabulary,
+    # 512 experts: a 16 GB fp16 checkpoint built on the machine) at each TP size, then with MTP 3, and
+    # DCP 2's startup answer at TP >= 2
+    timeout $(lim 585) python3 benchmarks/qwen38_plugin/bench_tp.py "$res/tp" --tps 1,2,4 --mtp 3 --dcp 2 \
+        --work $work/tp --timeout 420 >"$res/bench_tp.log" 2>&1
+    tail -30 "$res/bench_tp.log"
     ;;
 k)
     timeout $(lim 580) python3 benchmarks/qwen38_plugin/bench_mtp_trained.py "$res/mtp" --work $work/mtp \
@@ -280,7 +291,7 @@ e)
     wait
     ;;
 *)
-    echo "part: a, b, c, d, e, k, m, p, s, t, v, w or x" >&2
+    echo "part: a, b, c, d, e, f, g, k, m, p, q, r, s, t, v, w or x" >&2
     exit 2
     ;;
 esac
