@@ -47,6 +47,8 @@
 #      and --methods dflash got through pretrain, generate and an 80 s drafter), so --pretrain-seconds
 #      120-180 fits the first call with generate and a second with both trainings.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
+#   j: K20 in a GPU engine (benchmarks/dflash2/k20_gpu_check.py: adaptive verification with dflash2's
+#      acceptance estimator, with stock's, and without speculation; eager, then CUDA graphs).
 #   r: issue 16 on the machine's GPUs: bench_tp.py (Flash-Next's per-layer geometry at TP 1 / 2 / 4 as
 #      the GPUs allow, MTP 3, DCP 2's answer; on one H200, TP=1 only).
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP.
@@ -159,6 +161,21 @@ x)
             >"$res/sm70_engine.log" 2>&1
         tail -8 "$res/sm70_engine.log"
     fi
+    ;;
+j)
+    # K20 in a GPU engine: adaptive verification with dflash2's acceptance estimator against stock's and
+    # against no speculation (k20_gpu_check.py: a tiny Qwen3 target and random DFlash drafter; stock refuses
+    # adaptive verification for targets with GDN layers), eager then with CUDA graphs
+    for variant in "280" "280 --graphs"; do
+        set -- $variant
+        limit=$1
+        shift
+        name=k20$(echo "$*" | tr -d ' -')
+        # shellcheck disable=SC2068  # the variant's words
+        timeout $(lim "$limit") python3 benchmarks/dflash2/k20_gpu_check.py "$res/$name" --work $work/k20 \
+            --timeout 240 $@ >"$res/$name.log" 2>&1
+        grep '^k20 ' "$res/$name.log" || tail -5 "$res/$name.log"
+    done
     ;;
 r)
     # issue 16 as far as the machine's GPUs allow (TP 2 and 4 need nvidia-h200-x2 / -x4; bench_tp.py lists
@@ -291,7 +308,7 @@ e)
     wait
     ;;
 *)
-    echo "part: a, b, c, d, e, f, g, k, m, p, q, r, s, t, v, w or x" >&2
+    echo "part: a, b, c, d, e, f, g, j, k, m, p, q, r, s, t, v, w or x" >&2
     exit 2
     ;;
 esac

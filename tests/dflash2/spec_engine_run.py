@@ -1,6 +1,7 @@
 """Run as a script: greedy-decode prompts with speculative decoding in stock vLLM; print JSON.
 
 Usage: spec_engine_run.py MODEL SPECULATIVE_CONFIG_JSON PROMPTS_JSON MAX_TOKENS_JSON [LLM kwargs JSON]
+(SPECULATIVE_CONFIG_JSON ``null``: no speculation, the same run without it.)
 
 All prompts (token ids) are submitted together, request i with greedy sampling, `ignore_eos` and
 MAX_TOKENS[i] tokens. ``"lift_gpu_dflash_refusal": true`` among the LLM kwargs (not passed to vLLM)
@@ -52,13 +53,10 @@ def main() -> None:
     extra.setdefault("max_model_len", 512)
     # token-id prompts only: without the tokenizer (stock loads and deep-copies it, ~10 s a start on 2 cores)
     extra.setdefault("skip_tokenizer_init", True)
-    llm = LLM(
-        model=model,
-        seed=0,
-        speculative_config=json.loads(spec_json),
-        per_request_spec_decode_metrics="detailed",
-        **extra,
-    )
+    spec = json.loads(spec_json)
+    if spec is not None:  # (vLLM refuses per-request speculative metrics without speculation)
+        extra.setdefault("per_request_spec_decode_metrics", "detailed")
+    llm = LLM(model=model, seed=0, speculative_config=spec, **extra)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     schedule = scheduler.schedule
     steps: list[dict[str, Any]] = []

@@ -92,6 +92,12 @@ def robust_estimator_class(stock: Any) -> Any:
             super().__init__(max_num_reqs, num_speculative_steps, device)
             # steps in a row whose verdicts graded no draft (shared by every rank's identical verdicts)
             self.idle_steps = torch.zeros((), dtype=torch.int64, device=device)
+            # (installing the class says nothing of its use: vLLM imports stock's module in other runners too)
+            logger.info(
+                "dflash2: adaptive verification's acceptance estimator built (%d requests, %d drafts): refits moved "
+                "at most %s, exploring after %d idle steps",
+                max_num_reqs, num_speculative_steps, max_step, explore_after,
+            )  # fmt: skip
 
         def step(self, idx_mapping: torch.Tensor, num_sampled: torch.Tensor, num_rejected: torch.Tensor) -> None:
             refits = self._steps_since_refit + 1 >= self.REFIT_INTERVAL  # stock's own host-side counter

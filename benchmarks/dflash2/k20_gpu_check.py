@@ -1,0 +1,138 @@
+"""K20 inside a GPU engine: adaptive verification with dflash2's acceptance estimator, against stock's.
+
+    python benchmarks/dflash2/k20_gpu_check.py OUT [--drafts 4] [--tokens 320] [--graphs] [--dtype float16]
+    python benchmarks/dflash2/k20_gpu_check.py OUT --dry-run     # on CPU: the runs without adaptive verification
+
+Stock vLLM 0.32 runs its online acceptance estimator only with ``enable_adaptive_verification`` in
+Model Runner V2 (a GPU), and only where every attention backend of the target takes device-trimmed
+query lengths: the SSM backends opt out (``AttentionBackend.supports_device_cpu_query_lens_mismatch``),
+so a target with Gated DeltaNet layers (Qwen3-Next, Qwen4Exp) is refused at startup with it. The
+check therefore serves the tiny Qwen3 target (attention only) with the tiny random DFlash drafter
+(`dflash2.tiny`), ``--drafts`` drafts, eight concurrent greedy requests of ``--tokens`` tokens
+(several of stock's 100-step refits), three times, each in its own vLLM child
+(tests/dflash2/spec_engine_run.py):
+
+* ``robust``: adaptive verification with dflash2's estimator (the default once the plugin is
+  installed); its log must say that the engine built dflash2's estimator (its constructor logs it;
+  installing the class alone proves nothing: vLLM imports stock's module on CPU too);
+* ``stock``: the same with ``DFLASH2_ACCEPTANCE_ESTIMATOR=stock``;
+* ``none``: no speculation.
+
+Printed (and in OUT/k20_gpu_check.json): whether each run's greedy tokens equal ``none``'s
+(verification keeps the output exact whatever the estimator decides), whether the engine built the
+robust estimator (and not in ``stock``), and vLLM's speculative counters (drafts verified, accepted)
+for both estimators. A random drafter's drafts are almost never accepted, so stock's estimator
+learns to verify almost none; the robust one verifies one draft per request after every 16 steps
+that graded none (its exploration), so it verifies more drafts than stock's while the tokens stay
+the same. ``--dry-run`` runs the same on CPU (vLLM's V1 runner) without adaptive verification,
+which proves the script, not K20.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = ROOT / "tests" / "dflash2" / "spec_engine_run.py"
+BUILT = "dflash2: adaptive verification's acceptance estimator built"
+REQUESTS = 8
+
+
+def build(work: Path, dtype: str) -> tuple[Path, Path]:
+    from dflash2.tiny import build_tiny_drafter
+    from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
+
+    target = work / f"qwen3-{dtype}"
+    if not target.exists():
+        build_tiny_checkpoint(target, "qwen3", dtype=dtype)
+    drafter = work / f"dflash-drafter-{dtype}"
+    if not drafter.exists():
+        build_tiny_drafter(drafter, target)
+    return target, drafter
+
+
+def run(args: argparse.Namespace, name: str, target: Path, spec: dict[str, Any] | None) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 240_000, (n,), generator=gen).tolist() for n in (5, 17, 3, 40, 9, 26, 12, 60)]
+    extra: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": REQUESTS, "max_model_len": 512,
+                             "enforce_eager": not args.graphs, "disable_log_stats": False}  # fmt: skip
+    env = dict(os.environ)
+    if name == "stock":
+        env["DFLASH2_ACCEPTANCE_ESTIMATOR"] = "stock"
+    if args.dry_run:
+        extra.update(gpu_memory_utilization=0.05)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    else:
+        extra.update(gpu_memory_utilization=0.3)
+    cmd = [sys.executable, str(RUNNER), str(target), json.dumps(spec), json.dumps(prompts),
+           json.dumps([args.tokens] * REQUESTS), json.dumps(extra)]  # fmt: skip
+    log = args.out / f"{name}.log"
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=env, timeout=args.timeout)
+    text = log.read_text(errors="replace")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
+    result: dict[str, Any] = {"returncode": proc.returncode, "robust_estimator_built": BUILT in text + proc.stdout}
+    if proc.returncode or not lines:
+        result["log_tail"] = (text + proc.stdout)[-3000:]
+        return result
+    out = json.loads(lines[-1])
+    result["tokens"] = out["tokens"]
+    result["drafts_verified"] = sum(sum(d) for d in out["drafted"])
+    result["drafts_accepted"] = sum(sum(a) for a in out["accepted"])
+    result["verify_steps"] = sum(len(d) for d in out["drafted"])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--drafts", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=320, help="greedy tokens per request (refits every 100 steps)")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--graphs", action="store_true", help="vLLM's CUDA graphs (default: eager)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/k20_gpu_check"))
+    parser.add_argument("--timeout", type=int, default=400, help="seconds per vLLM child")
+    parser.add_argument("--dry-run", action="store_true", help="on CPU, without adaptive verification")
+    args = parser.parse_args()
+    if args.dry_run:
+        args.dtype, args.tokens = "float32", min(args.tokens, 24)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    target, drafter = build(args.work, args.dtype)
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.drafts,
+            "enable_adaptive_verification": not args.dry_run}  # fmt: skip
+    report: dict[str, Any] = {"drafts": args.drafts, "tokens": args.tokens, "requests": REQUESTS,
+                              "dtype": args.dtype, "graphs": args.graphs, "dry_run": args.dry_run}  # fmt: skip
+    runs = {name: run(args, name, target, spec if name != "none" else None) for name in ("robust", "stock", "none")}
+    reference = runs["none"].get("tokens")
+    for name in ("robust", "stock"):
+        tokens = runs[name].get("tokens")
+        runs[name]["tokens_equal_no_speculation"] = tokens is not None and tokens == reference
+    report["runs"] = {name: {k: v for k, v in r.items() if k != "tokens"} for name, r in runs.items()}
+    (args.out / "k20_gpu_check.json").write_text(json.dumps(report, indent=2))
+    for name, r in report["runs"].items():
+        print(f"k20 {name}: " + json.dumps({k: v for k, v in r.items() if k != "log_tail"}), flush=True)
+        if "log_tail" in r:
+            print(r["log_tail"][-1500:], flush=True)
+    robust, stock = runs["robust"], runs["stock"]
+    ok = (
+        robust.get("tokens_equal_no_speculation") is True
+        and stock.get("tokens_equal_no_speculation") is True
+        and (robust["robust_estimator_built"] or args.dry_run)
+        and not stock["robust_estimator_built"]
+    )
+    print(f"k20 verdict: {'ok' if ok else 'NOT ok'} (robust verified {robust.get('drafts_verified')} drafts, "
+          f"stock {stock.get('drafts_verified')})", flush=True)  # fmt: skip
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
