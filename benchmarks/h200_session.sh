@@ -45,7 +45,12 @@
 #      Since the batched QSA indexer, pretraining runs 0.24 s a step (5.1 s before): 120 s gave 493
 #      steps and non-degenerate text (2026-12-03; one call of BUDGET=555 with --pretrain-seconds 120
 #      and --methods dflash got through pretrain, generate and an 80 s drafter), so --pretrain-seconds
-#      120-180 fits the first call with generate and a second with both trainings.
+#      120-180 fits the first call with generate and a second with both trainings. Timings that day:
+#      the kit's install and pretraining about 210 s, the cold generate child 212 s (160 s of it the
+#      engine's compile and graph capture), the oracle's streams, the 80 s drafter and its evaluations
+#      about 130 s. Next (both methods): BUDGET=470 "$A --stop-after generate", BUDGET=420
+#      "$A --stop-after dflash-train", BUDGET=585 "$A", with --pretrain-seconds 120
+#      --dflash-train-seconds 80 --chain-train 3 in A.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   j: K20 in a GPU engine (benchmarks/dflash2/k20_gpu_check.py: adaptive verification with dflash2's
 #      acceptance estimator, with stock's, and without speculation; eager, then CUDA graphs).
