@@ -129,9 +129,8 @@ def _cases(dtype: str) -> dict[str, tuple[Any, dict[str, str], tuple[str, ...], 
                        {"BLOCK_T": 16, "BLOCK_N": 16, "BLOCK_K": 128, "FP32_DOT": False}),
         "hc_gate_mix": (hc._hc_gate_mix_kernel, {**dict.fromkeys(["normed_ptr", "up_w_ptr", "mixed_ptr",
                                                                    "injection_ptr"], p), "partials_ptr": "*fp32"}, (),
-                        {"INJECT": True, "HC": 4, "SPLITS": 16, "BLOCK_T": 16, "BLOCK_H": 32, "BLOCK_R": 64,
-                         "BLOCK_HC": 4,
-                         "FP32_DOT": False}),
+                        {"INJECT": True, "HC": 4, "SPLITS": 16, "GROUP_S": hc.gate_split_group(16, 16, 64),
+                         "BLOCK_T": 16, "BLOCK_H": 32, "BLOCK_R": 64, "BLOCK_HC": 4, "FP32_DOT": False}),
         "ple_gated_conv_inputs": (ple_varlen._gated_conv_inputs_kernel,
                                   dict.fromkeys(["streams_ptr", "key_ptr", "value_ptr", "norm_key_ptr",
                                                  "norm_query_ptr", "norm_conv_ptr", "gated_ptr", "conv_ptr"], p),
@@ -179,6 +178,54 @@ def test_kernels_compile_for_sm70_and_sm90(capability: int, dtype: str) -> None:
             assert "mma" not in ptx, f"{name}: tensor-core code for sm_70"  # Triton emits FMA below sm_80
         elif name in ("hc_project", "hc_gate_mix"):
             assert "mma" in ptx, f"{name}: no tensor-core code on sm_90"
+
+
+def _gate_mix_sass(splits: int, block_r: int) -> str:
+    """sm_90 SASS of the gate kernel as a fp16 decode step launches it (its tiles and warps as
+    `hc_mix_normed` picks them), pointers 16-byte aligned and the row strides divisible by 16, as the
+    launch specializes them."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = hc._hc_gate_mix_kernel
+    pointers = {**dict.fromkeys(["normed_ptr", "up_w_ptr", "mixed_ptr", "injection_ptr"], "*fp16"),
+                "partials_ptr": "*fp32"}  # fmt: skip
+    block_h = hc.gate_block_h(block_r)
+    constexprs = {"INJECT": True, "HC": 4, "SPLITS": splits, "GROUP_S": hc.gate_split_group(splits, 16, block_r),
+                  "BLOCK_T": 16, "BLOCK_H": block_h, "BLOCK_R": block_r, "BLOCK_HC": 4, "FP32_DOT": False}  # fmt: skip
+    signature = _signature(kernel, pointers, (), constexprs)
+    aligned = {*pointers, "stride_normed", "stride_up_w", "stride_mixed"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": hc.gate_num_warps(block_r)}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not nvdisasm.exists():
+        pytest.skip(f"{nvdisasm} is not in this Triton")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.skipif(not hc.HAVE_TRITON, reason="needs triton")
+def test_gate_kernel_loads_the_partials_together_and_does_not_spill() -> None:
+    # Summed one split at a time, each split's tile crossed shared memory on its own, so a decode
+    # step waited for memory 16 times in a row (8 loads before the first barrier, 49 barriers), and
+    # at Flash-Next's rank 320 the kernel spilled 6,673 loads to local memory; grouped loads (and
+    # smaller tiles and more warps for a large rank) fix both.
+    decode = _gate_mix_sass(16, 64)  # the medium config's decode step: 16 K splits of 4 * 1024
+    before_barrier = decode.split("BAR.SYNC", 1)[0]
+    assert before_barrier.count("LDG.E ") >= 64, "the first split group's partial loads are not issued together"
+    assert decode.count("BAR.SYNC") <= 24, f"{decode.count('BAR.SYNC')} barriers"
+    assert "LDL" not in decode and "STL" not in decode, "the gate kernel spills to local memory"
+    flash_next = _gate_mix_sass(7, 512)  # hidden 2560 * 4 streams, rank 320 (2026-12-03: 3 spill loads)
+    assert flash_next.count("LDL") <= 8, f"{flash_next.count('LDL')} loads from local memory (spills)"
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (CUDA graphs); none here")

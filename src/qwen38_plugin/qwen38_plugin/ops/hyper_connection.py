@@ -158,6 +158,26 @@ def hc_mix_normed_torch(
     return _gate_mix_torch(normed, down, projected, up_weight, hc_count)
 
 
+def gate_block_h(block_r: int) -> int:
+    """The gate kernel's feature tile at decode sizes: 32, or 16 for a rank above 128, whose up-weight
+    tiles (HC of them) would not fit the registers at 32."""
+    return 32 if block_r <= 128 else 16
+
+
+def gate_num_warps(block_r: int) -> int:
+    """The gate kernel's warps: 4, or 8 for a rank above 128 (half the registers a thread)."""
+    return 4 if block_r <= 128 else 8
+
+
+def gate_split_group(splits: int, block_t: int, block_r: int) -> int:
+    """How many of the projection's K splits the gate kernel loads at once: a power of two, at most
+    8 K fp32 a tile (64 registers a thread at 4 warps). sm_90 SASS of a decode step: no spills at the
+    medium config's rank 64 (16 splits in two loads); at Flash-Next's rank 320 (one a load, 16-feature
+    tiles, 8 warps) 3 spilled registers, where the kernel summing one split at a time spilled 6,673
+    (tests/qwen38_plugin/test_qwen38_fused_ops.py)."""
+    return min(1 << max(0, splits - 1).bit_length(), max(1, 8192 // (block_t * block_r)))
+
+
 def hc_mix_normed(
     normed: torch.Tensor,
     down_weight: torch.Tensor,
@@ -201,14 +221,16 @@ def hc_mix_normed(
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=fp32,
     )  # fmt: skip
     # decode-sized steps: small tiles, so that about a hundred programs share the up weight's reads
-    gate_t, block_h = (16, 32) if tokens <= 256 else (32, 64)
+    block_r = max(16, triton.next_power_of_2(rank))
+    gate_t, block_h = (16, gate_block_h(block_r)) if tokens <= 256 else (32, 64)
+    group = gate_split_group(splits, gate_t, block_r)
     _hc_gate_mix_kernel[(triton.cdiv(tokens, gate_t), triton.cdiv(hidden, block_h))](
         normed, partials, up_weight, mixed, injection if injection is not None else mixed,
         tokens, hidden, rank, columns, normed.stride(0), up_weight.stride(0), mixed.stride(0),
         injection.stride(0) if injection is not None else 0,
-        INJECT=inject_weight is not None, HC=hc_count, SPLITS=splits, BLOCK_T=gate_t, BLOCK_H=block_h,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_HC=max(2, triton.next_power_of_2(hc_count)),
-        FP32_DOT=fp32,
+        INJECT=inject_weight is not None, HC=hc_count, SPLITS=splits, GROUP_S=group, BLOCK_T=gate_t,
+        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_HC=max(2, triton.next_power_of_2(hc_count)), FP32_DOT=fp32,
+        num_warps=gate_num_warps(block_r),
     )  # fmt: skip
     return mixed, injection
 
@@ -358,6 +380,7 @@ if HAVE_TRITON:
         INJECT: tl.constexpr,
         HC: tl.constexpr,
         SPLITS: tl.constexpr,
+        GROUP_S: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_R: tl.constexpr,
@@ -373,9 +396,20 @@ if HAVE_TRITON:
         row_ok = rows < tokens
         rs = tl.arange(0, BLOCK_R)
         code_ok = row_ok[:, None] & (rs[None, :] < rank)
+        # The projection's K splits, several a load (in flight together) and one sum: added one at a
+        # time, each split's tile went through shared memory on its way to the dot's operand layout,
+        # a barrier and a memory round trip per split (sm_90 SASS at a decode shape: 16 in a row).
+        # GROUP_S splits a load (as many as keep the tile within registers).
         code = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        for split in tl.static_range(SPLITS):  # the projection's K splits, in order (unrolled: loads overlap)
-            code += tl.load(partials_ptr + (split * tokens + rows[:, None]) * columns + rs[None, :], mask=code_ok)
+        for first in tl.static_range(0, SPLITS, GROUP_S):
+            split_ids = first + tl.arange(0, GROUP_S)
+            rows_of = (split_ids[:, None, None] * tokens + rows[None, :, None]) * columns
+            parts = tl.load(
+                partials_ptr + rows_of + rs[None, None, :],
+                mask=(split_ids < SPLITS)[:, None, None] & code_ok[None, :, :],
+                other=0.0,
+            )
+            code += tl.sum(parts, axis=0)
         dtype = normed_ptr.dtype.element_ty
         code = code.to(dtype).to(tl.float32)  # the projection's output, rounded once
         code = (code / HC).to(dtype).to(tl.float32)
