@@ -52,6 +52,7 @@
 #      "$A --stop-after dflash-train", BUDGET=585 "$A", with --pretrain-seconds 120
 #      --dflash-train-seconds 80 --chain-train 3 in A.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
+#   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py (2 minutes).
 #   j: K20 in a GPU engine (benchmarks/dflash2/k20_gpu_check.py: adaptive verification with dflash2's
 #      acceptance estimator, with stock's, and without speculation; eager, then CUDA graphs).
 #   r: issue 16 on the machine's GPUs: bench_tp.py (Flash-Next's per-layer geometry at TP 1 / 2 / 4 as
@@ -166,6 +167,14 @@ x)
             >"$res/sm70_engine.log" 2>&1
         tail -8 "$res/sm70_engine.log"
     fi
+    ;;
+o)
+    # after a change to the fused ops alone (about 2 minutes): their native CUDA checks, then their timing
+    timeout $(lim 150) python3 -m pytest --noconftest -q -rA -p no:cacheprovider \
+        tests/qwen38_plugin/test_qwen38_fused_ops.py >"$res/ops.log" 2>&1
+    tail -3 "$res/ops.log"
+    timeout $(lim 150) python3 benchmarks/qwen38_plugin/bench_fused_ops.py --tokens 1,64 >"$res/bench_fused_ops.txt" 2>&1
+    cat "$res/bench_fused_ops.txt"
     ;;
 j)
     # K20 in a GPU engine: adaptive verification with dflash2's acceptance estimator against stock's and
@@ -313,7 +322,7 @@ e)
     wait
     ;;
 *)
-    echo "part: a, b, c, d, e, f, g, j, k, m, p, q, r, s, t, v, w or x" >&2
+    echo "part: a, b, c, d, e, f, g, j, k, m, o, p, q, r, s, t, v, w or x" >&2
     exit 2
     ;;
 esac
