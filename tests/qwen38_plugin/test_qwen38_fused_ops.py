@@ -195,15 +195,14 @@ def _gate_mix_sass(splits: int, block_r: int) -> str:
     kernel = hc._hc_gate_mix_kernel
     pointers = {**dict.fromkeys(["normed_ptr", "up_w_ptr", "mixed_ptr", "injection_ptr"], "*fp16"),
                 "partials_ptr": "*fp32"}  # fmt: skip
-    block_h = hc.gate_block_h(block_r)
+    block_h, num_warps = hc.gate_decode_tiles(block_r)
     constexprs = {"INJECT": True, "HC": 4, "SPLITS": splits, "GROUP_S": hc.gate_split_group(splits, 16, block_r),
                   "BLOCK_T": 16, "BLOCK_H": block_h, "BLOCK_R": block_r, "BLOCK_HC": 4, "FP32_DOT": False}  # fmt: skip
     signature = _signature(kernel, pointers, (), constexprs)
     aligned = {*pointers, "stride_normed", "stride_up_w", "stride_mixed"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": hc.gate_num_warps(block_r)}
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     if not nvdisasm.exists():
         pytest.skip(f"{nvdisasm} is not in this Triton")

@@ -158,15 +158,10 @@ def hc_mix_normed_torch(
     return _gate_mix_torch(normed, down, projected, up_weight, hc_count)
 
 
-def gate_block_h(block_r: int) -> int:
-    """The gate kernel's feature tile at decode sizes: 32, or 16 for a rank above 128, whose up-weight
-    tiles (HC of them) would not fit the registers at 32."""
-    return 32 if block_r <= 128 else 16
-
-
-def gate_num_warps(block_r: int) -> int:
-    """The gate kernel's warps: 4, or 8 for a rank above 128 (half the registers a thread)."""
-    return 4 if block_r <= 128 else 8
+def gate_decode_tiles(block_r: int) -> tuple[int, int]:
+    """The gate kernel's feature tile and warps at decode sizes: (32, 4), or (16, 8) for a rank above
+    128, whose up-weight tiles (HC of them) would not fit a thread's registers otherwise."""
+    return (32, 4) if block_r <= 128 else (16, 8)
 
 
 def gate_split_group(splits: int, block_t: int, block_r: int) -> int:
@@ -175,7 +170,7 @@ def gate_split_group(splits: int, block_t: int, block_r: int) -> int:
     medium config's rank 64 (16 splits in two loads); at Flash-Next's rank 320 (one a load, 16-feature
     tiles, 8 warps) 3 spilled registers, where the kernel summing one split at a time spilled 6,673
     (tests/qwen38_plugin/test_qwen38_fused_ops.py)."""
-    return min(1 << max(0, splits - 1).bit_length(), max(1, 8192 // (block_t * block_r)))
+    return min(triton.next_power_of_2(splits), max(1, 8192 // (block_t * block_r)))
 
 
 def hc_mix_normed(
@@ -222,7 +217,8 @@ def hc_mix_normed(
     )  # fmt: skip
     # decode-sized steps: small tiles, so that about a hundred programs share the up weight's reads
     block_r = max(16, triton.next_power_of_2(rank))
-    gate_t, block_h = (16, gate_block_h(block_r)) if tokens <= 256 else (32, 64)
+    block_h, num_warps = gate_decode_tiles(block_r)
+    gate_t, block_h = (16, block_h) if tokens <= 256 else (32, 64)
     group = gate_split_group(splits, gate_t, block_r)
     _hc_gate_mix_kernel[(triton.cdiv(tokens, gate_t), triton.cdiv(hidden, block_h))](
         normed, partials, up_weight, mixed, injection if injection is not None else mixed,
@@ -230,7 +226,7 @@ def hc_mix_normed(
         injection.stride(0) if injection is not None else 0,
         INJECT=inject_weight is not None, HC=hc_count, SPLITS=splits, GROUP_S=group, BLOCK_T=gate_t,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_HC=max(2, triton.next_power_of_2(hc_count)), FP32_DOT=fp32,
-        num_warps=gate_num_warps(block_r),
+        num_warps=num_warps,
     )  # fmt: skip
     return mixed, injection
 
