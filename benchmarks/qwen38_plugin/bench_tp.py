@@ -2,7 +2,7 @@
 
     python benchmarks/qwen38_plugin/bench_tp.py OUT_DIR [--tps 1,2,4] [--layers 4] [--batches 1,8,64]
         [--mtp 3] [--work DIR]
-    python benchmarks/qwen38_plugin/bench_tp.py OUT_DIR --dry-run      # on CPU: a scaled geometry, TP 1 and 2
+    python benchmarks/qwen38_plugin/bench_tp.py OUT_DIR --dry-run [--tps 1,2,4] [--geometry flash-next]  # CPU
 
 The checkpoint: random fp16 weights with Flash-Next's geometry as `footprint.FLASH_NEXT` infers it
 (hidden 2560, 24 Q / 2 KV heads of 256, GDN 16 K / 48 V heads of 128, 512 experts of width 512 with
@@ -29,9 +29,12 @@ all-reduces of ``hidden_size`` per token and layer, fp16) and its time on a V100
 reference deployment's 4 x V100: ``--v100-link-gbs`` GB/s per direction, ring all-reduce moves
 2 (n - 1) / n of the bytes), beside the measured step times. Results: OUT_DIR/bench_tp.json.
 
-``--dry-run`` proves the script on CPU: the geometry scaled down (hidden 256, 16 experts, the real
-vocabulary), fp32, TP 1 and 2 (``VLLM_CPU_OMP_THREADS_BIND`` split over the cores), batches 1 and 2,
-MTP with 2 drafts, DCP 2; its numbers are not measurements.
+``--dry-run`` proves the script on CPU: the geometry scaled down (hidden 256, 16 experts; the real
+head counts and vocabulary), fp32, TP 1 and 2 unless ``--tps`` says otherwise (each rank a process
+bound to a core, ranks beyond the core count sharing them), batches 1 and 2, MTP with 2 drafts,
+DCP 2; its tokens are a real comparison, its speeds are not measurements. ``--geometry flash-next``
+runs Flash-Next's own per-layer geometry there instead, with 32 experts (host memory) and the
+n-gram base of ``--ngram-base``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -55,12 +59,19 @@ PROMPT_LENS = (1, 3, 29, 70, 45, 300, 259, 320)
 STEPS = 32
 
 
-def geometry(layers: int, ngram_base: int, dry_run: bool) -> dict[str, Any]:
+# On CPU, Flash-Next's own per-layer geometry with fewer experts (the one cut, for host memory: 512 experts
+# are 2 GB a layer in fp32); the 10 active experts, their width and everything else as Flash-Next.
+CPU_EXPERTS = 32
+
+
+def geometry(layers: int, ngram_base: int, dry_run: bool, shape: str = "scaled") -> dict[str, Any]:
     """Config overrides: Flash-Next's per-layer geometry, ``layers`` layers (3 GDN then 1 QSA, repeated)."""
     pattern = ["linear_attention"] * 3 + ["indexed_attention"]
     config = {**FLASH_NEXT, "num_hidden_layers": layers, "layer_types": (pattern * layers)[:layers]}
     config.update(ngram_vocab_size_base=ngram_base, mtp_num_hidden_layers=1)
-    if dry_run:  # same shape of model, a CPU's size
+    if dry_run and shape == "flash-next":
+        config.update(num_experts=CPU_EXPERTS)
+    elif dry_run:  # same shape of model, a CPU's size
         config.update(hidden_size=256, head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32,
                       num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
                       shared_expert_intermediate_size=64, hc_lowrank=32, ple_embed_dim=256,
@@ -70,11 +81,12 @@ def geometry(layers: int, ngram_base: int, dry_run: bool) -> dict[str, Any]:
     return config
 
 
-def build(work: Path, layers: int, ngram_base: int, dtype: str, dry_run: bool) -> Path:
+def build(work: Path, layers: int, ngram_base: int, dtype: str, dry_run: bool, shape: str = "scaled") -> Path:
     from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
 
-    config = geometry(layers, ngram_base, dry_run)
-    path = work / f"flash-next-{layers}l-ngram{config['ngram_vocab_size_base']}-{dtype}{'-dry' if dry_run else ''}"
+    config = geometry(layers, ngram_base, dry_run, shape)
+    tag = ("-dry" if shape == "scaled" else f"-cpu{CPU_EXPERTS}experts") if dry_run else ""
+    path = work / f"flash-next-{layers}l-ngram{config['ngram_vocab_size_base']}-{dtype}{tag}"
     if not path.exists():
         started = time.perf_counter()
         build_tiny_checkpoint(path, "qwen4_exp_text", overrides=config, dtype=dtype)
@@ -100,7 +112,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "seed": 0, "skip_tokenizer_init": True,
                               "tensor_parallel_size": args.tp, "max_model_len": 512,
-                              "max_num_seqs": max(max(args.batches), len(PROMPT_LENS))}  # fmt: skip
+                              "max_num_seqs": max([*args.batches, len(PROMPT_LENS)])}  # fmt: skip
     if args.cpu:
         kwargs["enable_prefix_caching"] = False  # vLLM's CPU runner, with speculation
     else:
@@ -152,15 +164,31 @@ def run_child(args: argparse.Namespace, model: Path, tp: int, tag: str, mtp: int
         cores = os.cpu_count() or 2
         per = max(1, cores // tp)
         env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="|".join(
-            f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tp)))  # fmt: skip
+            f"{r * per}-{r * per + per - 1}" if per > 1 else str(r % cores) for r in range(tp)))  # fmt: skip
     log = args.out / f"child-{tag}.log"
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
     result = finish_child((proc, log), args.timeout)
     if "error" in result:
-        # keep the log's end: a startup refusal is the answer for DCP
-        result["log_tail"] = log.read_text(errors="replace")[-1500:]
+        # A startup refusal is the answer for DCP: keep its root cause (a worker's exception, which the
+        # engine's own "initialization failed" line hides) and the log's end.
+        text = log.read_text(errors="replace")
+        result["root_cause"] = root_cause(text)
+        result["log_tail"] = text[-1500:]
     return result
+
+
+def root_cause(log: str) -> str:
+    """The first exception line of a failed start (``SomeError: message``), the engine's wrapper skipped."""
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        match = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
+        if match and "Engine core initialization failed" not in match.group(2):
+            message = match.group(2).strip()
+            if "validation error" in message and i + 1 < len(lines):  # pydantic: the reason is the next line
+                message += " -- " + lines[i + 1].strip().split(" [type=")[0]
+            return f"{match.group(1)}: {message}"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,26 +217,59 @@ def allreduce_estimate(config: dict[str, Any], batch: int, ranks: int, link_gbs:
     return {"bytes_per_step": per_allreduce * count, "v100_ring_ms": moved / (link_gbs * 1e9) * 1e3}
 
 
+def summary(report: dict[str, Any]) -> str:
+    """bench_tp.json as a table: each run's tokens against its reference, speeds, drafts, startup."""
+    lines = [f"# device {report['device']}, model {report['model']}, dtype {report['dtype']}; "
+             f"not run: {'; '.join(report['not_run']) or 'none'}",
+             "| TP | run | prompts identical | first differing step per prompt | decode tok/s by batch "
+             "| MTP draft tokens / accepted | startup |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for tp, entry in report["runs"].items():
+        for name, run in entry.items():
+            versus = run.get("vs_tp1") or run.get("vs_plain")
+            reference = "TP=1" if "vs_tp1" in run else f"TP={tp} without MTP"
+            same = f"{versus['identical_prompts']}/{versus['prompts']} (vs {reference})" if versus else "-"
+            firsts = ",".join("-" if f is None else str(f) for f in versus["first_difference"]) if versus else "-"
+            speeds = ", ".join(f"b{b}: {x:.1f}" for b, x in run.get("decode_tok_s", {}).items()) or "-"
+            spec = run.get("spec_decode")
+            drafts = (
+                f"{spec['spec_decode_num_draft_tokens']:.0f} / {spec['spec_decode_num_accepted_tokens']:.0f}"
+                if spec
+                else "-"
+            )
+            started = f"refused: {run['root_cause']}" if run.get("root_cause") else run.get("error", "ok")
+            lines.append(f"| {tp} | {name} | {same} | {firsts} | {speeds} | {drafts} | {started} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--tps", default="1,2,4")
+    parser.add_argument("--tps", default=None, help="tensor-parallel sizes (default 1,2,4; --dry-run: 1,2)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ngram-base", type=int, default=200_000)
     parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--batches", default=None, help="decode batches (default 1,8,64; --dry-run: 1,2; '' none)")
     parser.add_argument("--mtp", type=int, default=0, help="MTP drafts (0: no speculative runs)")
     parser.add_argument("--dcp", type=int, default=0, help="decode_context_parallel_size to try at TP >= 2")
     parser.add_argument("--v100-link-gbs", type=float, default=10.0, help="V100 PCIe ring bandwidth, GB/s")
     parser.add_argument("--work", type=Path, default=Path("/tmp/qwen38_bench_tp"))
     parser.add_argument("--timeout", type=int, default=900, help="seconds per vLLM child")
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--geometry", choices=("scaled", "flash-next"), default="scaled",
+                        help=f"--dry-run's model: scaled, or Flash-Next's own with {CPU_EXPERTS} experts")  # fmt: skip
+    parser.add_argument("--summary", action="store_true", help="print OUT_DIR/bench_tp.json as a table, run nothing")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--tp-one", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.batches = [int(b) for b in str(args.batches).split(",") if b]
+    args.tps_given = args.tps is not None
+    args.tps = args.tps or "1,2,4"
+    args.batches_given = args.batches is not None
+    args.batches = [int(b) for b in (args.batches if args.batches_given else "1,8,64").split(",") if b]
+    if args.summary:
+        print(summary(json.loads((args.out / "bench_tp.json").read_text())))
+        return
     if args.child:
         args.tp = args.tp_one
         print("RESULT " + json.dumps(child(args)), flush=True)
@@ -217,13 +278,16 @@ def main() -> None:
 
     args.cpu = not torch.cuda.is_available()
     if args.dry_run:
-        args.dtype, args.tps, args.batches, args.mtp, args.dcp = "float32", "1,2", [1, 2], args.mtp or 2, 2
+        args.dtype, args.mtp, args.dcp = "float32", args.mtp or 2, 2
+        args.batches = args.batches if args.batches_given else [1, 2]
+        args.tps = args.tps if args.tps_given else "1,2"
     elif args.cpu:
         parser.error("no CUDA device here: pass --dry-run to prove the script on CPU")
-    available = 2 if args.cpu else torch.cuda.device_count()
+    # On CPU the ranks are processes bound to the cores in turn (more ranks than cores share them).
+    available = max(int(t) for t in args.tps.split(",")) if args.cpu else torch.cuda.device_count()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    model = build(args.work, args.layers, args.ngram_base, args.dtype, args.dry_run)
+    model = build(args.work, args.layers, args.ngram_base, args.dtype, args.dry_run, args.geometry)
     config = json.loads((model / "config.json").read_text())
     report: dict[str, Any] = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(), "gpus": available,
                               "model": model.name, "dtype": args.dtype, "runs": {}, "not_run": []}  # fmt: skip
@@ -249,7 +313,7 @@ def main() -> None:
             entry[f"mtp{args.mtp}"] = spec
         if args.dcp and tp >= args.dcp:
             dcp = run_child(args, model, tp, f"tp{tp}-dcp{args.dcp}", dcp=args.dcp)
-            entry[f"dcp{args.dcp}"] = {k: v for k, v in dcp.items() if k in ("error", "log_tail", "vs_tp1")} or dcp
+            entry[f"dcp{args.dcp}"] = {k: v for k, v in dcp.items() if k in ("error", "root_cause", "vs_tp1")} or dcp
         report["runs"][str(tp)] = entry
         save()
         brief = {k: (v.get("vs_tp1"), v.get("decode_tok_s"), v.get("error")) for k, v in entry.items() if k == "plain"}
@@ -259,6 +323,7 @@ def main() -> None:
     }
     save()
     print(json.dumps(report["allreduce"], indent=1))
+    print(summary(report))
 
 
 if __name__ == "__main__":
