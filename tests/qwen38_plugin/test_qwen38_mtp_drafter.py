@@ -32,6 +32,7 @@ DRAFTS = 4
 def drafter(tiny_checkpoint: Callable[..., Path], vllm_single_rank: None) -> Iterator[tuple[Any, Any]]:
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
 
     from qwen38_plugin import register
@@ -55,10 +56,18 @@ def drafter(tiny_checkpoint: Callable[..., Path], vllm_single_rank: None) -> Ite
         tensors = list(iter_safetensors(model_dir))
         loaded = model.load_weights(iter(tensors))
         assert loaded >= {name for name, _ in model.named_parameters()}
+        # The drafter holds no vocabulary rows of its own: vLLM's proposer sets the target's.
+        assert not any(p.shape[0] == draft_config.vocab_size for p in model.parameters())
+        with pytest.raises(RuntimeError, match="MTP drafter's embed_tokens was not set from the target"):
+            model.embed_input_ids(torch.tensor([1]))
         named = dict(tensors)
-        with torch.no_grad():  # what vLLM's proposer shares from the target
-            model.model.embed_tokens.weight.copy_(named["model.embed_tokens.weight"])
-            model.lm_head.weight.copy_(named["lm_head.weight"])
+        config = vllm_config.model_config.hf_text_config
+        embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        with torch.no_grad():  # the target's layers, as vLLM's proposer shares them
+            embed.weight.copy_(named["model.embed_tokens.weight"])
+            lm_head.weight.copy_(named["lm_head.weight"])
+        model.model.embed_tokens, model.lm_head = embed, lm_head
         process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
     assert isinstance(model, PortableQwen4ExpMTP)
     yield model, vllm_config

@@ -50,7 +50,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.qwen3_next import Qwen3NextSparseMoeBlock
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
@@ -265,7 +265,7 @@ class PortableMultiTokenPredictor(nn.Module):
             )
         self.config = config
         h, hc = config.hidden_size, config.hc_count
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, prefix=f"{prefix}.embed_tokens")
+        # No embed_tokens of its own: the proposer sets the target's here after loading (shared_from_target).
         self.fc_embedding = ReplicatedLinear(h, h, bias=False, prefix=f"{prefix}.fc_embedding")
         self.fc_hidden = ReplicatedLinear(h, h, bias=False, prefix=f"{prefix}.fc_hidden")
         self.pre_fc_norm_embedding = GemmaNorm(h, config.rms_norm_eps)
@@ -288,7 +288,7 @@ class PortableMultiTokenPredictor(nn.Module):
         hc, h = c.hc_count, c.hidden_size
         if inputs_embeds is None:
             assert input_ids is not None
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = shared_from_target(self, "embed_tokens")(input_ids)
         embeds, _ = self.fc_embedding(self.pre_fc_norm_embedding(inputs_embeds))
         normed = self.pre_fc_norm_hidden(hidden_states)
         projected, _ = self.fc_hidden(normed.reshape(-1, h))  # shared by the hc streams
@@ -321,12 +321,12 @@ class PortableQwen4ExpMTP(nn.Module):
         self.config = config
         # Layer names "mtp.*": the target's own layers are "model.*".
         self.model = PortableMultiTokenPredictor(vllm_config, prefix="mtp")
-        # Replaced by the target's lm_head and embedding when vLLM's proposer loads the drafter.
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="mtp.lm_head")
+        # No lm_head of its own either (shared_from_target): an unused copy of the vocabulary's rows
+        # would be allocated and touched at load (2 x 1.3 GB for Flash-Next in fp16 at TP=1).
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return shared_from_target(self.model, "embed_tokens")(input_ids)
 
     def forward(
         self,
@@ -346,11 +346,13 @@ class PortableQwen4ExpMTP(nn.Module):
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, self.final_hidden(hidden_states))
+        lm_head = shared_from_target(self, "lm_head")
+        assert isinstance(lm_head, ParallelLMHead)
+        return self.logits_processor(lm_head, self.final_hidden(hidden_states))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The checkpoint's ``mtp.*`` tensors (others skipped). The embedding and lm_head are the
-        target's: vLLM's V1 proposer shares them right after loading (stock's MTP does the same)."""
+        target's: vLLM's proposers (V1's and V2's) set them right after loading."""
 
         def mtp_tensors() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
@@ -362,5 +364,20 @@ class PortableQwen4ExpMTP(nn.Module):
                     continue  # V1 shares the target's lm_head; the final mixer has no injection
                 yield "model." + name.removeprefix("mtp."), tensor
 
-        loaded = AutoWeightsLoader(self).load_weights(mtp_tensors(), mapper=_MTP_WEIGHTS_MAPPER)
-        return loaded | {"lm_head.weight", "model.embed_tokens.weight"}
+        return AutoWeightsLoader(self).load_weights(mtp_tensors(), mapper=_MTP_WEIGHTS_MAPPER)
+
+
+def shared_from_target(owner: nn.Module, name: str) -> nn.Module:
+    """The target's embedding or lm_head, which vLLM's proposer sets on the drafter after loading it
+    (V1: ``_maybe_share_embeddings`` / ``_maybe_share_lm_head``; V2: ``load_eagle_model``): the drafter
+    allocates none of its own. If a vLLM stops sharing them, the first draft step fails here, by name."""
+    module = owner._modules.get(name)
+    if module is None:
+        import vllm
+
+        raise RuntimeError(
+            f"the MTP drafter's {name} was not set from the target: vLLM {vllm.__version__}'s proposer no longer "
+            "shares the target's embedding and lm_head with an MTP drafter as vLLM 0.32 does; this qwen38_plugin "
+            "needs a release for that vLLM (or serve without --speculative-config)"
+        )
+    return module
