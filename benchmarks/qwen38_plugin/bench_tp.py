@@ -163,7 +163,7 @@ def run_child(args: argparse.Namespace, model: Path, tp: int, tag: str, mtp: int
         cmd.append("--cpu")
         cores = os.cpu_count() or 2
         per = max(1, cores // tp)
-        env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="|".join(
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="|".join(
             f"{r * per}-{r * per + per - 1}" if per > 1 else str(r % cores) for r in range(tp)))  # fmt: skip
     log = args.out / f"child-{tag}.log"
     with log.open("w") as f:
@@ -181,7 +181,12 @@ def run_child(args: argparse.Namespace, model: Path, tp: int, tag: str, mtp: int
 def root_cause(log: str) -> str:
     """The first exception line of a failed start (``SomeError: message``), the engine's wrapper skipped."""
     lines = log.splitlines()
+    for line in lines:  # a rank killed from outside (the kernel's out-of-memory killer, say) raises nothing
+        if match := re.search(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)", line):
+            return f"worker {match.group(1)} died (exit code {match.group(2)}; -9: killed, as for lack of memory)"
     for i, line in enumerate(lines):
+        if " WARNING " in line:  # vLLM logs tracebacks it recovers from as warnings
+            continue
         match = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
         if match and "Engine core initialization failed" not in match.group(2):
             message = match.group(2).strip()
@@ -221,14 +226,18 @@ def summary(report: dict[str, Any]) -> str:
     """bench_tp.json as a table: each run's tokens against its reference, speeds, drafts, startup."""
     lines = [f"# device {report['device']}, model {report['model']}, dtype {report['dtype']}; "
              f"not run: {'; '.join(report['not_run']) or 'none'}",
-             "| TP | run | prompts identical | first differing step per prompt | decode tok/s by batch "
-             "| MTP draft tokens / accepted | startup |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| TP | run | prompts identical | first differing step per prompt (reference's margin) "
+             "| decode tok/s by batch | MTP draft tokens / accepted | start, or why not |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for tp, entry in report["runs"].items():
         for name, run in entry.items():
             versus = run.get("vs_tp1") or run.get("vs_plain")
             reference = "TP=1" if "vs_tp1" in run else f"TP={tp} without MTP"
             same = f"{versus['identical_prompts']}/{versus['prompts']} (vs {reference})" if versus else "-"
-            firsts = ",".join("-" if f is None else str(f) for f in versus["first_difference"]) if versus else "-"
+            firsts = "-"
+            if versus:  # the step, and the reference's top-2 logprob margin there (a near tie when small)
+                pairs = zip(versus["first_difference"], versus["reference_margin_there"], strict=True)
+                firsts = ", ".join("-" if f is None else f"{f} ({m:.3g})" for f, m in pairs)
             speeds = ", ".join(f"b{b}: {x:.1f}" for b, x in run.get("decode_tok_s", {}).items()) or "-"
             spec = run.get("spec_decode")
             drafts = (
@@ -236,7 +245,7 @@ def summary(report: dict[str, Any]) -> str:
                 if spec
                 else "-"
             )
-            started = f"refused: {run['root_cause']}" if run.get("root_cause") else run.get("error", "ok")
+            started = run.get("root_cause") or run.get("error", "ok")
             lines.append(f"| {tp} | {name} | {same} | {firsts} | {speeds} | {drafts} | {started} |")
     return "\n".join(lines)
 
@@ -247,7 +256,7 @@ def main() -> None:
     parser.add_argument("--tps", default=None, help="tensor-parallel sizes (default 1,2,4; --dry-run: 1,2)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ngram-base", type=int, default=200_000)
-    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--dtype", default=None, help="float16 (--dry-run: float32)")
     parser.add_argument("--batches", default=None, help="decode batches (default 1,8,64; --dry-run: 1,2; '' none)")
     parser.add_argument("--mtp", type=int, default=0, help="MTP drafts (0: no speculative runs)")
     parser.add_argument("--dcp", type=int, default=0, help="decode_context_parallel_size to try at TP >= 2")
@@ -278,11 +287,13 @@ def main() -> None:
 
     args.cpu = not torch.cuda.is_available()
     if args.dry_run:
-        args.dtype, args.mtp, args.dcp = "float32", args.mtp or 2, 2
+        args.dtype, args.mtp, args.dcp = args.dtype or "float32", args.mtp or 2, 2
         args.batches = args.batches if args.batches_given else [1, 2]
         args.tps = args.tps if args.tps_given else "1,2"
     elif args.cpu:
         parser.error("no CUDA device here: pass --dry-run to prove the script on CPU")
+    else:
+        args.dtype = args.dtype or "float16"
     # On CPU the ranks are processes bound to the cores in turn (more ranks than cores share them).
     available = max(int(t) for t in args.tps.split(",")) if args.cpu else torch.cuda.device_count()
     args.out.mkdir(parents=True, exist_ok=True)
