@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -346,8 +346,7 @@ class PortableQwen4ExpMTP(nn.Module):
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor | None:
-        lm_head = shared_from_target(self, "lm_head")
-        assert isinstance(lm_head, ParallelLMHead)
+        lm_head = cast(ParallelLMHead, shared_from_target(self, "lm_head"))  # whatever the target's is
         return self.logits_processor(lm_head, self.final_hidden(hidden_states))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
