@@ -272,10 +272,12 @@ def main() -> None:
     parser.add_argument("--tp-one", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.tps_given = args.tps is not None
-    args.tps = args.tps or "1,2,4"
-    args.batches_given = args.batches is not None
-    args.batches = [int(b) for b in (args.batches if args.batches_given else "1,8,64").split(",") if b]
+    # unset options take the GPU run's defaults, or --dry-run's (a child is always given them)
+    dry = args.dry_run
+    args.tps = args.tps if args.tps is not None else ("1,2" if dry else "1,2,4")
+    batches = args.batches if args.batches is not None else ("1,2" if dry else "1,8,64")
+    args.batches = [int(b) for b in batches.split(",") if b]
+    args.dtype = args.dtype or ("float32" if dry else "float16")
     if args.summary:
         print(summary(json.loads((args.out / "bench_tp.json").read_text())))
         return
@@ -287,13 +289,9 @@ def main() -> None:
 
     args.cpu = not torch.cuda.is_available()
     if args.dry_run:
-        args.dtype, args.mtp, args.dcp = args.dtype or "float32", args.mtp or 2, 2
-        args.batches = args.batches if args.batches_given else [1, 2]
-        args.tps = args.tps if args.tps_given else "1,2"
+        args.mtp, args.dcp = args.mtp or 2, 2
     elif args.cpu:
         parser.error("no CUDA device here: pass --dry-run to prove the script on CPU")
-    else:
-        args.dtype = args.dtype or "float16"
     # On CPU the ranks are processes bound to the cores in turn (more ranks than cores share them).
     available = max(int(t) for t in args.tps.split(",")) if args.cpu else torch.cuda.device_count()
     args.out.mkdir(parents=True, exist_ok=True)
