@@ -25,6 +25,13 @@ CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; the default takes a fraction of all RAM
     "VLLM_LOGGING_COLOR": "0",
     "PYTHONUNBUFFERED": "1",
+    # How long the server keeps an idle HTTP connection open. Stock's 5 s equals the openai and
+    # anthropic clients' own idle expiry (httpx's keepalive_expiry, 5 s), so a client may send a
+    # request on a connection the server is closing at that moment and get "Server disconnected
+    # without sending a response" (a test client with max_retries=0 then fails; seen in CI, and
+    # reproduced with both set to 1 s: 2 of 120 reused connections). The server's side must outlive
+    # the client's: the client then always drops an idle connection first.
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60",
 }
 
 
