@@ -54,10 +54,11 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 # (tokens, hidden, hc, rank): decode (1), a small batch, a prefill chunk; hidden and rank not
-# powers of two; the final mixer (no injection) in every shape.
-MIXER_SHAPES = [(1, 64, 4, 16), (5, 96, 4, 24), (37, 40, 3, 8), (0, 64, 4, 16)]
+# powers of two; a rank above 128 (the gate kernel's 16-feature tiles) at a decode and a prefill
+# size; the final mixer (no injection) in every shape.
+MIXER_SHAPES = [(1, 64, 4, 16), (5, 96, 4, 24), (37, 40, 3, 8), (0, 64, 4, 16), (3, 40, 4, 160), (260, 24, 4, 160)]
 if NATIVE:
-    MIXER_SHAPES += [(1, 1024, 4, 64), (64, 1024, 4, 64), (300, 2048, 4, 64)]
+    MIXER_SHAPES += [(1, 1024, 4, 64), (64, 1024, 4, 64), (300, 2048, 4, 64), (300, 2560, 4, 320)]
 
 
 def _mixer_inputs(tokens: int, hidden: int, hc_count: int, rank: int, dtype: torch.dtype) -> dict[str, Any]:

@@ -180,10 +180,10 @@ def test_kernels_compile_for_sm70_and_sm90(capability: int, dtype: str) -> None:
             assert "mma" in ptx, f"{name}: no tensor-core code on sm_90"
 
 
-def _gate_mix_sass(splits: int, block_r: int) -> str:
-    """sm_90 SASS of the gate kernel as a fp16 decode step launches it (its tiles and warps as
-    `hc_mix_normed` picks them), pointers 16-byte aligned and the row strides divisible by 16, as the
-    launch specializes them."""
+def _gate_mix_sass(splits: int, block_r: int, tokens: int = 16) -> str:
+    """sm_90 SASS of the gate kernel as a fp16 step of ``tokens`` rows launches it (its tiles and warps
+    as `hc_mix_normed` picks them), pointers 16-byte aligned and the row strides divisible by 16, as
+    the launch specializes them."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -195,9 +195,10 @@ def _gate_mix_sass(splits: int, block_r: int) -> str:
     kernel = hc._hc_gate_mix_kernel
     pointers = {**dict.fromkeys(["normed_ptr", "up_w_ptr", "mixed_ptr", "injection_ptr"], "*fp16"),
                 "partials_ptr": "*fp32"}  # fmt: skip
-    block_h, num_warps = hc.gate_decode_tiles(block_r)
-    constexprs = {"INJECT": True, "HC": 4, "SPLITS": splits, "GROUP_S": hc.gate_split_group(splits, 16, block_r),
-                  "BLOCK_T": 16, "BLOCK_H": block_h, "BLOCK_R": block_r, "BLOCK_HC": 4, "FP32_DOT": False}  # fmt: skip
+    block_t, block_h, num_warps = hc.gate_tiles(tokens, block_r)
+    group = hc.gate_split_group(splits, block_t, block_r)
+    constexprs = {"INJECT": True, "HC": 4, "SPLITS": splits, "GROUP_S": group, "BLOCK_T": block_t,
+                  "BLOCK_H": block_h, "BLOCK_R": block_r, "BLOCK_HC": 4, "FP32_DOT": False}  # fmt: skip
     signature = _signature(kernel, pointers, (), constexprs)
     aligned = {*pointers, "stride_normed", "stride_up_w", "stride_mixed"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in aligned}
@@ -224,6 +225,16 @@ def test_gate_kernel_loads_the_partials_together_and_does_not_spill() -> None:
     assert decode.count("BAR.SYNC") <= 24, f"{decode.count('BAR.SYNC')} barriers"
     assert "LDL" not in decode and "STL" not in decode, "the gate kernel spills to local memory"
     flash_next = _gate_mix_sass(7, 512)  # hidden 2560 * 4 streams, rank 320 (2026-12-03: 3 spill loads)
+    assert flash_next.count("LDL") <= 8, f"{flash_next.count('LDL')} loads from local memory (spills)"
+
+
+@pytest.mark.skipif(not hc.HAVE_TRITON, reason="needs triton")
+def test_gate_kernel_does_not_spill_at_prefill_sizes() -> None:
+    # A prefill chunk's step (above 256 tokens, one K split) takes 32-token tiles; at Flash-Next's
+    # rank 320 the 64-feature tiles of the medium config spilled 714 loads a program.
+    medium = _gate_mix_sass(1, 64, tokens=2048)
+    assert "LDL" not in medium and "STL" not in medium, "the gate kernel spills to local memory"
+    flash_next = _gate_mix_sass(1, 512, tokens=2048)
     assert flash_next.count("LDL") <= 8, f"{flash_next.count('LDL')} loads from local memory (spills)"
 
 

@@ -158,10 +158,18 @@ def hc_mix_normed_torch(
     return _gate_mix_torch(normed, down, projected, up_weight, hc_count)
 
 
-def gate_decode_tiles(block_r: int) -> tuple[int, int]:
-    """The gate kernel's feature tile and warps at decode sizes: (32, 4), or (16, 8) for a rank above
-    128, whose up-weight tiles (HC of them) would not fit a thread's registers otherwise."""
-    return (32, 4) if block_r <= 128 else (16, 8)
+def gate_tiles(tokens: int, block_r: int) -> tuple[int, int, int]:
+    """The gate kernel's (token tile, feature tile, warps) for a step of ``tokens`` rows.
+
+    Decode-sized steps (up to 256 tokens) take 16-token tiles, so that about a hundred programs share
+    the up weight's reads; longer steps 32. The feature tile is 32 (64 above 256 tokens) with 4 warps,
+    or 16 with 8 warps for a rank above 128, whose up-weight tiles (HC of them) would not fit a
+    thread's registers otherwise: sm_90 SASS at Flash-Next's rank 320 spills 7 loads a program with
+    (32, 16, 8) where (32, 64, 8) spilled 714 (tests/qwen38_plugin/test_qwen38_fused_ops.py)."""
+    block_t = 16 if tokens <= 256 else 32
+    if block_r > 128:
+        return block_t, 16, 8
+    return block_t, 32 if tokens <= 256 else 64, 4
 
 
 def gate_split_group(splits: int, block_t: int, block_r: int) -> int:
@@ -215,10 +223,8 @@ def hc_mix_normed(
         inject_weight.stride(0) if inject_weight is not None else 0, columns,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, FP32_DOT=fp32,
     )  # fmt: skip
-    # decode-sized steps: small tiles, so that about a hundred programs share the up weight's reads
     block_r = max(16, triton.next_power_of_2(rank))
-    block_h, num_warps = gate_decode_tiles(block_r)
-    gate_t, block_h = (16, block_h) if tokens <= 256 else (32, 64)
+    gate_t, block_h, num_warps = gate_tiles(tokens, block_r)
     group = gate_split_group(splits, gate_t, block_r)
     _hc_gate_mix_kernel[(triton.cdiv(tokens, gate_t), triton.cdiv(hidden, block_h))](
         normed, partials, up_weight, mixed, injection if injection is not None else mixed,
