@@ -52,7 +52,8 @@
 #      "$A --stop-after dflash-train", BUDGET=585 "$A", with --pretrain-seconds 120
 #      --dflash-train-seconds 80 --chain-train 3 in A.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
-#   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py (2 minutes).
+#   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py, medium and Flash-Next
+#      mixer sizes (about 3 minutes).
 #   j: K20 in a GPU engine (benchmarks/dflash2/k20_gpu_check.py: adaptive verification with dflash2's
 #      acceptance estimator, with stock's, and without speculation; eager, then CUDA graphs).
 #   r: issue 16 on the machine's GPUs: bench_tp.py (Flash-Next's per-layer geometry at TP 1 / 2 / 4 as
@@ -174,6 +175,9 @@ o)
         tests/qwen38_plugin/test_qwen38_fused_ops.py >"$res/ops.log" 2>&1
     tail -3 "$res/ops.log"
     timeout $(lim 150) python3 benchmarks/qwen38_plugin/bench_fused_ops.py --tokens 1,64 >"$res/bench_fused_ops.txt" 2>&1
+    # Flash-Next's mixer (hidden 2560, rank 320): the gate kernel's 16-feature tiles at decode and prefill sizes
+    timeout $(lim 120) python3 benchmarks/qwen38_plugin/bench_fused_ops.py --hidden 2560 --rank 320 --tokens 1,2048 \
+        >>"$res/bench_fused_ops.txt" 2>&1
     cat "$res/bench_fused_ops.txt"
     ;;
 j)

@@ -1,7 +1,7 @@
 """The served model's fused Triton ops against their torch references on a CUDA GPU, and against
 the copy ceiling measured in the same run.
 
-    python benchmarks/qwen38_plugin/bench_fused_ops.py [--hidden 1024] [--tokens 1,64,2048]
+    python benchmarks/qwen38_plugin/bench_fused_ops.py [--hidden 1024] [--rank 64] [--tokens 1,64,2048]
 
 For each op (`hyper_connection.hc_norm` with the injection, `hc_mix_normed`, `norm_rope.rms_norm_rope`,
 `ple_varlen.gated_conv_inputs`, `ple_varlen.conv_term_triton` for a step of one-token requests, and
@@ -32,11 +32,11 @@ from qwen38_plugin.ops import hyper_connection as hc  # noqa: E402
 from qwen38_plugin.ops import norm_rope, ple_varlen  # noqa: E402
 from qwen38_plugin.ops.common import rotary_cos_sin  # noqa: E402
 
-HC, RANK, HEADS, HEAD_DIM, ROTARY, KERNEL, NGRAM = 4, 64, 8, 128, 64, 4, 3
+HC, HEADS, HEAD_DIM, ROTARY, KERNEL, NGRAM = 4, 8, 128, 64, 4, 3
 
 
-def cases(hidden: int, tokens: int) -> list[tuple[str, Callable[[str], object], float]]:
-    """(name, run(backend), bytes moved) for one token count."""
+def cases(hidden: int, rank: int, tokens: int) -> list[tuple[str, Callable[[str], object], float]]:
+    """(name, run(backend), bytes moved) for one token count; ``rank``: the mixer's (medium 64, Flash-Next 320)."""
     dev, dt, width = "cuda", torch.float16, HC * hidden
     e = 2  # bytes per fp16 element
 
@@ -45,7 +45,7 @@ def cases(hidden: int, tokens: int) -> list[tuple[str, Callable[[str], object], 
 
     streams, block, normed = rand(tokens, width), rand(tokens, hidden), rand(tokens, width)
     injection = torch.rand(tokens, HC, device=dev).to(dt)
-    norm_w, down, up, inject = rand(width, scale=0.1), rand(RANK, width, scale=0.02), rand(width, RANK), rand(HC, width)
+    norm_w, down, up, inject = rand(width, scale=0.1), rand(rank, width, scale=0.02), rand(width, rank), rand(HC, width)
     q = rand(tokens, HEADS, 2 * HEAD_DIM)[..., :HEAD_DIM]
     q_w = rand(HEAD_DIM, scale=0.1)
     cos, sin = rotary_cos_sin(torch.arange(tokens, device=dev), ROTARY, 1e6, dt)
@@ -96,7 +96,7 @@ def cases(hidden: int, tokens: int) -> list[tuple[str, Callable[[str], object], 
                                                   injection=injection, backend=b),
          e * tokens * (3 * width + hidden) + e * width),
         ("hc_mix_normed", lambda b: hc.hc_mix_normed(normed, down, up, inject, hc_count=HC, backend=b),
-         e * tokens * (width + hidden + HC) + e * (2 * RANK + HC) * width),
+         e * tokens * (width + hidden + HC) + e * (2 * rank + HC) * width),
         ("rms_norm_rope (q)", lambda b: norm_rope.rms_norm_rope(q, q_w, cos, sin, 1e-6, backend=b),
          e * tokens * (2 * HEADS * HEAD_DIM + 2 * ROTARY)),
         ("ple gate + conv input", lambda b: ple_varlen.gated_conv_inputs(
@@ -112,16 +112,18 @@ def cases(hidden: int, tokens: int) -> list[tuple[str, Callable[[str], object], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--rank", type=int, default=64, help="the hyper-connection mixer's rank")
     parser.add_argument("--tokens", default="1,64,2048")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fused_ops.py needs a CUDA GPU")
     bandwidth, _ = ceilings()
-    print(f"{torch.cuda.get_device_name()}, hidden {args.hidden}, hc {HC}, fp16, copy {bandwidth / 1e9:.0f} GB/s")
+    print(f"{torch.cuda.get_device_name()}, hidden {args.hidden}, hc {HC}, rank {args.rank}, fp16, "
+          f"copy {bandwidth / 1e9:.0f} GB/s")  # fmt: skip
     print("| op | tokens | triton us | torch us | torch / triton | of copy ceiling |")
     print("|---|---|---|---|---|---|")
     for tokens in (int(t) for t in args.tokens.split(",")):
-        for name, run, nbytes in cases(args.hidden, tokens):
+        for name, run, nbytes in cases(args.hidden, args.rank, tokens):
             fast = median_ms(lambda run=run: run("triton")) * 1e3
             ref = median_ms(lambda run=run: run("torch")) * 1e3
             print(f"| {name} | {tokens} | {fast:.1f} | {ref:.1f} | {ref / fast:.1f}x | "
