@@ -185,6 +185,77 @@ def _qsa_step(
     return out, [tensor.clone() for _, tensor in layers.values()]
 
 
+def test_draft_decode_metadata_update_equals_a_fresh_build(served: tuple[Any, Any]) -> None:
+    """vLLM's V2 speculators advance a draft step's inputs in place (sequence lengths, the K/V slot
+    mapping) and call `update_draft_decode_metadata` instead of `build`, inside one CUDA graph for
+    every draft step after the first: for each of the three QSA caches the updated metadata equals
+    a fresh build's from the advanced inputs, step after step, in the same buffers."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from qwen38_plugin.vllm_qsa import PortableQSAAttention
+    from qwen38_plugin.vllm_qsa_cache import QSAMetadataBuilder
+
+    model, vllm_config = served
+    cache = next(m for m in model.modules() if isinstance(m, PortableQSAAttention)).cache
+    assert cache.block_keys is not None and cache.ring is not None
+    block_size = vllm_config.cache_config.block_size
+    # three requests decoding one token each; lengths cross a block boundary and close index groups
+    lens = torch.tensor([block_size - 2, 5, 2 * block_size - 1], dtype=torch.int32)
+    qsl = torch.arange(4, dtype=torch.int32)
+    block_table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=torch.int32)
+    ring_table = torch.tensor([[1], [2], [3]], dtype=torch.int32)
+
+    def kv_slots(seq_lens: torch.Tensor) -> torch.Tensor:
+        positions = seq_lens.long() - 1
+        return (block_table[torch.arange(3), positions // block_size] * block_size + positions % block_size).long()
+
+    def fields(meta: Any) -> list[torch.Tensor]:
+        return [meta.token_req.clone(), meta.step_start.clone(), meta.slots.clone(), meta.positions.clone()]
+
+    for layer in (cache, cache.block_keys, cache.ring):
+        table = ring_table if layer is cache.ring else block_table
+        seq_lens, slot_mapping = lens.clone(), kv_slots(lens)  # the speculator's persistent buffers
+
+        def common(seq: torch.Tensor, slots: torch.Tensor, table: torch.Tensor = table) -> Any:
+            return CommonAttentionMetadata(
+                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=3, num_actual_tokens=3,
+                max_query_len=1, max_seq_len=int(seq.max()), block_table_tensor=table, slot_mapping=slots,
+            )  # fmt: skip
+
+        spec = layer.get_kv_cache_spec(vllm_config)
+        builder = QSAMetadataBuilder(spec, [layer.prefix], vllm_config, torch.device("cpu"))
+        metadata = builder.build(0, common(seq_lens, slot_mapping))
+        for _ in range(3):  # draft steps: one more token each
+            seq_lens += 1
+            slot_mapping.copy_(kv_slots(seq_lens))
+            before = fields(metadata)
+            builder.update_draft_decode_metadata(metadata)
+            fresh = QSAMetadataBuilder(spec, [layer.prefix], vllm_config, torch.device("cpu"))
+            expected = fields(fresh.build(0, common(seq_lens.clone(), slot_mapping.clone())))
+            for got, want in zip(fields(metadata), expected, strict=True):
+                assert torch.equal(got, want), layer.prefix
+            assert not torch.equal(before[3], expected[3])  # the positions moved: the update did the work
+
+
+def test_draft_metadata_update_switch(served: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from qwen38_plugin.vllm_qsa import PortableQSAAttention
+    from qwen38_plugin.vllm_qsa_cache import DRAFT_UPDATE_ENV, QSAMetadataBuilder
+
+    model, vllm_config = served
+    cache = next(m for m in model.modules() if isinstance(m, PortableQSAAttention)).cache
+    spec = cache.get_kv_cache_spec(vllm_config)
+
+    def builder() -> QSAMetadataBuilder:
+        return QSAMetadataBuilder(spec, [cache.prefix], vllm_config, torch.device("cpu"))
+
+    assert builder().supports_draft_decode_metadata_update
+    monkeypatch.setenv(DRAFT_UPDATE_ENV, "0")
+    assert not builder().supports_draft_decode_metadata_update
+    monkeypatch.setenv(DRAFT_UPDATE_ENV, "yes")
+    with pytest.raises(ValueError, match="QWEN38_QSA_DRAFT_UPDATE='yes': set it to 1 \\(the default\\) or 0"):
+        builder()
+
+
 def test_qsa_op_ignores_cuda_graph_padding_rows(served: tuple[Any, Any]) -> None:
     """vLLM pads a step's tokens to a CUDA-graph size while the metadata covers the real ones
     (found on an H200): the padded rows change nothing the real rows see or store, and get zeros."""

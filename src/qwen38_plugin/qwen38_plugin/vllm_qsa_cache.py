@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -114,6 +115,18 @@ def resolve_ring_capacity(vllm_config: VllmConfig, ratio: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class QSAStepInputs:
+    """The vLLM device tensors a step's `QSAMetadata` was computed from. In a V2 speculator's draft
+    decode steps they are views of its persistent buffers, which it advances in place between
+    steps (sequence lengths, slot mappings), so the metadata can be recomputed from them."""
+
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    seq_lens: torch.Tensor  # [R] int32, after the step
+    block_table: torch.Tensor  # [R, max_blocks] int32
+    slot_mapping: torch.Tensor | None  # [T] int64, the K/V group's only
+
+
 @dataclass
 class QSAMetadata:
     """One QSA cache group's view of a step. Device tensors in persistent buffers (the same
@@ -129,6 +142,7 @@ class QSAMetadata:
     block_table: torch.Tensor  # [R, max_blocks] int32: this cache's blocks
     slots: torch.Tensor  # [T] int64: where each token writes in this cache, -1 = no write
     positions: torch.Tensor  # [T] int64: each token's index in its sequence (M-RoPE positions are not)
+    inputs: QSAStepInputs | None = None  # what `QSAMetadataBuilder.build` computed it from
 
 
 class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
@@ -142,12 +156,18 @@ class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     reorder_batch_threshold: int | None = 1  # decodes first, as vLLM's GDN builder orders them
+    # vLLM's V2 speculators (MTP) may then record `update_draft_decode_metadata` inside one CUDA
+    # graph for all draft steps after the first, instead of building each step's metadata eagerly
+    # and launching a graph per step. The V1 runner (CPU) does not use it. `DRAFT_UPDATE_ENV`=0
+    # turns it off (set per builder in __init__), to compare the two on a GPU.
+    supports_draft_decode_metadata_update = True
 
     def __init__(
         self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.kind = cache_kind(kv_cache_spec)
+        self.supports_draft_decode_metadata_update = draft_update_enabled()
         config = vllm_config.model_config.hf_text_config
         self.ratio = int(config.indexer_compress_ratio or 1)
         scheduler = vllm_config.scheduler_config
@@ -164,17 +184,44 @@ class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
     ) -> QSAMetadata:
         m = common_attn_metadata
         num_tokens, num_reqs = m.num_actual_tokens, m.num_reqs
-        # One kernel on CUDA (this runs every step, outside the CUDA graph); the torch reference elsewhere.
+        inputs = QSAStepInputs(
+            m.query_start_loc[: num_reqs + 1], m.seq_lens[:num_reqs], m.block_table_tensor[:num_reqs],
+            m.slot_mapping if self.kind is CacheKind.KV else None,
+        )  # fmt: skip
+        self._compute(inputs, num_tokens)
+        return QSAMetadata(
+            num_tokens, self._token_req[:num_tokens], self._step_start[:num_reqs], inputs.block_table,
+            self._slots[:num_tokens], self._positions[:num_tokens], inputs,
+        )  # fmt: skip
+
+    def update_draft_decode_metadata(self, metadata: QSAMetadata) -> None:
+        """Recompute ``metadata`` in place from its inputs' current values (a V2 speculator advanced
+        them for the next draft step): the same kernel as `build`, into the same buffers, with no
+        host reads, so it can run inside a CUDA graph capture."""
+        if metadata.inputs is None:
+            raise ValueError("QSA metadata built outside QSAMetadataBuilder.build has no inputs to recompute from")
+        self._compute(metadata.inputs, metadata.num_tokens)
+
+    def _compute(self, inputs: QSAStepInputs, num_tokens: int) -> None:
+        # One kernel on CUDA (every step, outside the CUDA graph; inside a speculator's draft-step graph
+        # too); the torch reference elsewhere.
         qsa_step_metadata.step_metadata(
-            self.kind, m.query_start_loc[: num_reqs + 1], m.seq_lens[:num_reqs], m.block_table_tensor[:num_reqs],
-            m.slot_mapping if self.kind is CacheKind.KV else None, num_tokens,
+            self.kind, inputs.query_start_loc, inputs.seq_lens, inputs.block_table, inputs.slot_mapping, num_tokens,
             block_size=self.kv_cache_spec.block_size, ratio=self.ratio, token_req=self._token_req,
             step_start=self._step_start, positions=self._positions, slots=self._slots, max_reqs=self._max_reqs,
         )  # fmt: skip
-        return QSAMetadata(
-            num_tokens, self._token_req[:num_tokens], self._step_start[:num_reqs], m.block_table_tensor[:num_reqs],
-            self._slots[:num_tokens], self._positions[:num_tokens],
-        )  # fmt: skip
+
+
+DRAFT_UPDATE_ENV = "QWEN38_QSA_DRAFT_UPDATE"
+
+
+def draft_update_enabled() -> bool:
+    """``QWEN38_QSA_DRAFT_UPDATE``: 1 (the default) lets V2 speculators update the QSA metadata of
+    draft steps in place; 0 makes them build it for every step."""
+    value = os.environ.get(DRAFT_UPDATE_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{DRAFT_UPDATE_ENV}={value!r}: set it to 1 (the default) or 0")
+    return value == "1"
 
 
 def cache_kind(spec: KVCacheSpec) -> CacheKind:
