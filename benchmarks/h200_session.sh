@@ -58,7 +58,8 @@
 #      acceptance estimator, with stock's, and without speculation; eager, then CUDA graphs).
 #   r: issue 16 on the machine's GPUs: bench_tp.py (Flash-Next's per-layer geometry at TP 1 / 2 / 4 as
 #      the GPUs allow, MTP 3, DCP 2's answer; on one H200, TP=1 only).
-#   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP.
+#   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP, and MTP
+#      with QWEN38_QSA_DRAFT_UPDATE=0 (each draft step's QSA metadata built on the host, one graph a step).
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
 #   f: does vLLM on the GPU draft what the DFlash reference drafts (drafts_check.py: the tiny target
 #      and a random drafter, every step's drafts against the fp32 reference): fp16 with CUDA graphs, fp16
@@ -246,6 +247,12 @@ q)
             --speculative $spec --drafts 3 --batches 1,8 --work $work/q38 >"$res/profile-$spec.log" 2>&1
         grep -E '^(none|dflash3|mtp3) batch' "$res/profile-$spec.log" || tail -3 "$res/profile-$spec.log"
     done
+    # MTP again with each draft step's QSA metadata built on the host (the A/B of the in-place draft update)
+    QWEN38_QSA_DRAFT_UPDATE=0 CUDA_VISIBLE_DEVICES=0 timeout $(lim 170) python3 benchmarks/qwen38_plugin/profile_gpu.py \
+        "$res/profile-no-draft-update" --speculative mtp --drafts 3 --batches 1,8 --work $work/q38 \
+        >"$res/profile-mtp-no-draft-update.log" 2>&1
+    grep -E '^mtp3 batch' "$res/profile-mtp-no-draft-update.log" | sed 's/^/QWEN38_QSA_DRAFT_UPDATE=0: /' ||
+        tail -3 "$res/profile-mtp-no-draft-update.log"
     ;;
 v)
     # vLLM's V1 model runner on GPU 1 (fp16, CUDA graphs and eager) while GPU 0 runs fp16 eager in V2
