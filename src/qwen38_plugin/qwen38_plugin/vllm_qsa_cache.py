@@ -156,17 +156,16 @@ class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     reorder_batch_threshold: int | None = 1  # decodes first, as vLLM's GDN builder orders them
-    # vLLM's V2 speculators (MTP) may then record `update_draft_decode_metadata` inside one CUDA
-    # graph for all draft steps after the first, instead of building each step's metadata eagerly
-    # and launching a graph per step. The V1 runner (CPU) does not use it. `DRAFT_UPDATE_ENV`=0
-    # turns it off (set per builder in __init__), to compare the two on a GPU.
-    supports_draft_decode_metadata_update = True
 
     def __init__(
         self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.kind = cache_kind(kv_cache_spec)
+        # With it, vLLM's V2 speculators (MTP) record `update_draft_decode_metadata` inside one CUDA
+        # graph for all draft steps after the first, instead of building each step's metadata eagerly
+        # and launching a graph per step. The V1 runner (CPU) does not use it. `DRAFT_UPDATE_ENV`=0
+        # turns it off, to compare the two on a GPU.
         self.supports_draft_decode_metadata_update = draft_update_enabled()
         config = vllm_config.model_config.hf_text_config
         self.ratio = int(config.indexer_compress_ratio or 1)
