@@ -60,6 +60,9 @@
 #      the GPUs allow, MTP 3, DCP 2's answer; on one H200, TP=1 only).
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP, and MTP
 #      with QWEN38_QSA_DRAFT_UPDATE=0 (each draft step's QSA metadata built on the host, one graph a step).
+#   u: the A/B of MTP's in-place draft-step metadata alone, alternating (QWEN38_QSA_DRAFT_UPDATE 0, 1, 0, 1: one
+#      engine process each, profile_gpu.py --speculative mtp), since one pair's wall times differed by more than
+#      the host's speed between processes (2026-12-03: results/h200_bench_mtp_trained.txt).
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
 #   f: does vLLM on the GPU draft what the DFlash reference drafts (drafts_check.py: the tiny target
 #      and a random drafter, every step's drafts against the fp32 reference): fp16 with CUDA graphs, fp16
@@ -265,6 +268,22 @@ q)
         cap=170
     done
     ;;
+u)
+    cap=280  # the first engine on a cold machine compiles every Triton kernel
+    run=0
+    for update in 0 1 0 1; do
+        run=$((run + 1))
+        QWEN38_QSA_DRAFT_UPDATE=$update CUDA_VISIBLE_DEVICES=0 timeout $(lim $cap) python3 \
+            benchmarks/qwen38_plugin/profile_gpu.py "$res/ab-$run-update$update" --speculative mtp --drafts 3 \
+            --batches 1,8 --work $work/q38 >"$res/ab-$run-update$update.log" 2>&1
+        if grep -q '^mtp3 batch' "$res/ab-$run-update$update.log"; then
+            grep '^mtp3 batch' "$res/ab-$run-update$update.log" | sed "s/^/run $run QWEN38_QSA_DRAFT_UPDATE=$update: /"
+        else
+            tail -3 "$res/ab-$run-update$update.log"
+        fi
+        cap=170
+    done
+    ;;
 v)
     # vLLM's V1 model runner on GPU 1 (fp16, CUDA graphs and eager) while GPU 0 runs fp16 eager in V2
     CUDA_VISIBLE_DEVICES=$G1 timeout $(lim 250) $q38 "$res/exact-v1" --only exact --runners v1 --dtypes float16 \
@@ -344,7 +363,7 @@ e)
     wait
     ;;
 *)
-    echo "part: a, b, c, d, e, f, g, j, k, m, o, p, q, r, s, t, v, w or x" >&2
+    echo "part: a, b, c, d, e, f, g, j, k, m, o, p, q, r, s, t, u, v, w or x" >&2
     exit 2
     ;;
 esac
