@@ -52,13 +52,16 @@ generates, then measure both inside stock vLLM against no speculation, in one ru
    drafts): the reference's prediction of what vLLM measures. The drafter directory (config.json,
    model.safetensors, train_report.json) is written beside and renamed into place.
 4. ``measure`` (a vLLM child per setting, vLLM's defaults but prefix caching, which is off for every
-   setting: V2 runner and CUDA graphs on a GPU): on new random prompts, decode tokens/s at each batch
+   setting: V2 runner and CUDA graphs on a GPU): on prompts the training never saw (one list; each
+   batch size serves at least ``--min-sequences`` of them, in groups of the batch size one after
+   another, so concurrency 1 is not one sequence's luck), decode tokens/s at each batch
    size (concurrency) without speculation, with MTP at each ``--drafts`` count (the head before and
    after training) and with the trained DFlash drafter (``dflash{K}-trained``, ``--dflash-drafts`` K;
    the portable model refuses DFlash beside prefix caching, so all settings run without it and the
    ratios compare speculation alone); the acceptance length (1 + accepted drafts per verify step, from vLLM's
    spec-decode counters; also the share of verify steps that kept each draft position) and the
-   speed-up against no speculation. Targets (issue 12): acceptance
+   speed-up against no speculation, and how many sequences came out token for token as plain's
+   (greedy speculation keeps the target's tokens; fp16 ties aside). Targets (issue 12): acceptance
    length >= 2.5 and >= 1.8x at concurrency 1.
 
 Each stage's result is kept under ``--work`` (the pretrained and the head-trained checkpoints, the
@@ -364,28 +367,52 @@ def spec_counters(llm: Any) -> dict[str, Any]:
     return counters
 
 
+def measured_groups(batch: int, min_sequences: int) -> int:
+    """How many groups of ``batch`` concurrent requests one batch size's measurement serves, one
+    group after another: enough for ``min_sequences`` sequences, so a small batch's acceptance is
+    not one sequence's (2026-12-04: concurrency 1 on one prompt accepted 1.48 where concurrency 4
+    and 8 accepted 2.84 and 3.22)."""
+    return max(1, -(-min_sequences // batch))
+
+
 def child_measure(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(**engine_kwargs(args, args.drafts), disable_log_stats=False)
+    # one prompt list for every batch size (a prefix of it each), so the batch sizes and the
+    # settings decode the same text and their greedy tokens can be set side by side
+    most = max(b * measured_groups(b, args.min_sequences) for b in args.batches)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in random_prompts(most, 1000, args.corpus)]
     results: dict[str, Any] = {}
     for batch in args.batches:
-        inputs = [TokensPrompt(prompt_token_ids=p) for p in random_prompts(batch, 1000 + batch, args.corpus)]
-
-        def run(max_tokens: int, inputs: list[TokensPrompt] = inputs) -> float:
-            return timed_greedy(llm, inputs, max_tokens)
-
-        run(4)  # warm-up at this batch size, both run lengths
-        run(1)
-        prefill = min(run(1) for _ in range(args.repeats))
+        groups = [prompts[g * batch : (g + 1) * batch] for g in range(measured_groups(batch, args.min_sequences))]
+        prefill = total = 0.0
+        tokens: list[list[int]] = []
+        by_group: list[float] = []
         before = spec_counters(llm)
-        totals = [run(args.new_tokens) for _ in range(args.repeats)]
+        for group in groups:
+            timed_greedy(llm, group, 4)  # warm-up at this batch size, both run lengths
+            timed_greedy(llm, group, 1)
+            prefill += min(timed_greedy(llm, group, 1) for _ in range(args.repeats))
+            start = spec_counters(llm)
+            runs = []
+            for _ in range(args.repeats):
+                began = time.perf_counter()
+                outputs = llm.generate(group, SamplingParams(max_tokens=args.new_tokens, temperature=0.0,
+                                                             ignore_eos=True), use_tqdm=False)  # fmt: skip
+                runs.append(time.perf_counter() - began)
+            total += min(runs)
+            tokens += [list(o.outputs[0].token_ids) for o in outputs]
+            end = spec_counters(llm)
+            drafts = end.get("spec_decode_num_drafts", 0) - start.get("spec_decode_num_drafts", 0)
+            if drafts:
+                accepted = end["spec_decode_num_accepted_tokens"] - start["spec_decode_num_accepted_tokens"]
+                by_group.append(1 + accepted / drafts)
         after = spec_counters(llm)
-        total = min(totals)
-        row: dict[str, Any] = {"prefill_s": prefill, "total_s": total}
+        row: dict[str, Any] = {"sequences": len(tokens), "prefill_s": prefill, "total_s": total, "tokens": tokens}
         if total > prefill:
-            row["decode_tok_s"] = batch * (args.new_tokens - 1) / (total - prefill)
+            row["decode_tok_s"] = len(tokens) * (args.new_tokens - 1) / (total - prefill)
         else:
             # (2026-12-02, plain at batch 64: the 1-token runs were the slower ones, a compile among them)
             row["error"] = (f"decode time not measurable: {args.new_tokens} tokens took {total:.3f} s, no more "
@@ -394,6 +421,7 @@ def child_measure(args: argparse.Namespace) -> dict[str, Any]:
         if drafts:
             accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
             row["acceptance_length"] = 1 + accepted / drafts
+            row["acceptance_by_group"] = by_group
             row["verify_steps"] = drafts / args.repeats
             by_position = after.get("spec_decode_num_accepted_tokens_per_pos")
             if by_position is not None:
@@ -410,7 +438,7 @@ def run_child(kind: str, args: argparse.Namespace, model: Path, tag: str, timeou
     cmd = [sys.executable, __file__, str(args.out), "--child", kind, "--model", str(model), "--dtype", args.dtype,
            "--batches", ",".join(map(str, args.batches)), "--new-tokens", str(args.new_tokens),
            "--sequences", str(args.sequences), "--repeats", str(args.repeats),
-           "--drafts-one", str(extra.get("drafts", 0))]  # fmt: skip
+           "--min-sequences", str(args.min_sequences), "--drafts-one", str(extra.get("drafts", 0))]  # fmt: skip
     if extra.get("drafter"):
         cmd += ["--drafter", str(extra["drafter"])]
     if args.cpu:
@@ -841,20 +869,35 @@ def print_table(report: dict[str, Any]) -> None:
     if "generated_text" in report:
         print(f"the target's generated text: {report['generated_text']}")
     plain = report["measure"].get("plain", {})
-    print(f"{'setting':<22}{'batch':>6}{'tok/s':>10}{'x plain':>9}{'accept len':>11}  accepted by draft position")
+    print(f"{'setting':<22}{'batch':>6}{'seqs':>6}{'tok/s':>10}{'x plain':>9}{'same as plain':>14}{'accept len':>11}"
+          "  accepted by draft position")  # fmt: skip
+    spread: list[str] = []
     for setting, rows in report["measure"].items():
         if "error" in rows:
             print(f"{setting:<22} error: {rows['error']}")
             continue
         for batch, row in rows.items():
+            seqs = f"{row.get('sequences', '?'):>6}"
             accept = f"{row['acceptance_length']:11.2f}" if "acceptance_length" in row else f"{'':>11}"
             by_position = " ".join(f"{a:.2f}" for a in row.get("accepted_by_position", []))
+            # greedy speculation keeps the target's tokens: sequences equal to plain's (fp16 ties aside)
+            same = f"{'':>14}"
+            base_tokens = plain.get(batch, {}).get("tokens")
+            if setting != "plain" and base_tokens and row.get("tokens"):
+                equal = sum(a == b for a, b in zip(row["tokens"], base_tokens, strict=False))
+                same = f"{equal:>11}/{len(row['tokens']):<2}"
+            if len(row.get("acceptance_by_group", [])) > 1:
+                spread.append(f"{setting} at batch {batch}, acceptance length by group of {batch}: "
+                              + " ".join(f"{a:.2f}" for a in row["acceptance_by_group"]))  # fmt: skip
             if "decode_tok_s" not in row:
-                print(f"{setting:<22}{batch:>6}{'-':>10}{'':>9}{accept}  {by_position}  {row.get('error', '')}")
+                error = row.get("error", "")
+                print(f"{setting:<22}{batch:>6}{seqs}{'-':>10}{'':>9}{same}{accept}  {by_position}  {error}")
                 continue
             base = plain.get(batch, {}).get("decode_tok_s")
             ratio = f"{row['decode_tok_s'] / base:9.2f}" if base else f"{'':>9}"
-            print(f"{setting:<22}{batch:>6}{row['decode_tok_s']:10.1f}{ratio}{accept}  {by_position}")
+            print(f"{setting:<22}{batch:>6}{seqs}{row['decode_tok_s']:10.1f}{ratio}{same}{accept}  {by_position}")
+    for line in spread:
+        print(line)
     if "after_chained" in report.get("train", {}):
         chained = report["train"]["after_chained"]
         print(
@@ -891,6 +934,12 @@ def main() -> None:
     )
     parser.add_argument("--batches", default="1,4,8,64")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--min-sequences",
+        type=int,
+        default=8,
+        help="each batch size serves at least this many sequences, in groups of the batch size one after another",
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/qwen38_bench_mtp"))
     parser.add_argument("--timeout", type=int, default=600, help="seconds per vLLM child")
     parser.add_argument("--pretrain-steps", type=int, default=0, help="stage 0: train the target first (0: random)")
@@ -932,8 +981,9 @@ def main() -> None:
         given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
         small = {"config": "tiny", "dtype": "float32", "sequences": 6, "new_tokens": 24, "train_steps": 12,
                  "batches": [1, 2], "repeats": 1, "drafts": "2", "pretrain_steps": min(args.pretrain_steps, 4),
-                 "pretrain_batch": 2, "pretrain_seq_len": 64, "corpus_tokens": 20_000, "dflash_train_steps": 12,
-                 "dflash_train_seconds": 0, "dflash_batch": 2, "dflash_blocks": 8}  # fmt: skip
+                 "min_sequences": 2, "pretrain_batch": 2, "pretrain_seq_len": 64, "corpus_tokens": 20_000,
+                 "dflash_train_steps": 12, "dflash_train_seconds": 0, "dflash_batch": 2,
+                 "dflash_blocks": 8}  # fmt: skip
         for name, value in small.items():
             if f"--{name.replace('_', '-')}" not in given:
                 setattr(args, name, value)
@@ -1014,7 +1064,7 @@ def main() -> None:
         batches = ",".join(map(str, args.batches))
         measured = args.work / (
             f"measure-{checkpoint.name}{f'-{dflash.name}' if dflash else ''}-d{drafts}-b{batches}"
-            f"-n{args.new_tokens}-r{args.repeats}.json"
+            f"-n{args.new_tokens}-r{args.repeats}-m{args.min_sequences}.json"
         )
         if measured.exists():
             report["measure"][name] = json.loads(measured.read_text())
