@@ -51,6 +51,8 @@
 #      about 130 s. Next (both methods): BUDGET=470 "$A --stop-after generate", BUDGET=420
 #      "$A --stop-after dflash-train", BUDGET=585 "$A", with --pretrain-seconds 120
 #      --dflash-train-seconds 80 --chain-train 3 in A.
+#      2026-12-04 (that A, both methods): 444 s, 404 s (the chained head alone 202 s, so the drafter did not
+#      finish) and 395 s (the drafter again, then every setting). Next: BUDGET=470, 585, 585.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py, medium and Flash-Next
 #      mixer sizes (about 3 minutes).
@@ -65,11 +67,12 @@
 #      the host's speed between processes (2026-12-03: results/h200_bench_mtp_trained.txt).
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
 #   f: does vLLM on the GPU draft what the DFlash reference drafts (drafts_check.py: the tiny target
-#      and a random drafter, every step's drafts against the fp32 reference): fp16 with CUDA graphs, fp16
-#      eager, bf16 eager (2026-12-02: a trained drafter predicted at 3.97 was accepted at 2.27 on the H200).
+#      and a random drafter, every step's drafts against the fp32 reference): fp16 with CUDA graphs (three
+#      requests together, then one alone), fp16 eager, bf16 eager (2026-12-02: a trained drafter predicted
+#      at 3.97 was accepted at 2.27 on the H200).
 #   g: the same for MTP (drafts_check.py --method mtp: the tiny target's random MTP head, each draft position
-#      against the fp32 oracle head): fp16 with CUDA graphs, fp16 eager (2026-12-02: a trained head's
-#      second draft was never accepted on the H200, while on CPU every draft was).
+#      against the fp32 oracle head): fp16 with CUDA graphs (three requests, then one alone), fp16 eager
+#      (2026-12-02: a trained head's second draft was never accepted on the H200, while on CPU every draft was).
 #
 # This checkout's sources come first on PYTHONPATH (the kit's plugin wheels give the entry points).
 # Every child has a time limit; each part ends by packing its results into OUT/<part>.tar.gz
@@ -216,7 +219,7 @@ k)
 f)
     # (float32 is refused on CUDA: vLLM's GDN prefill kernel; the graphs variant first compiles and
     # captures, about 10 s a graph on a fresh machine)
-    for variant in "280 float16 --graphs" "150 float16" "150 bfloat16"; do
+    for variant in "280 float16 --graphs" "150 float16 --graphs --requests 1" "150 float16" "150 bfloat16"; do
         set -- $variant
         limit=$1
         shift
@@ -230,7 +233,8 @@ f)
 g)
     # (run first on a cold machine, the graphs variant's engine start compiles every Triton kernel: the
     # eager variant alone did not start within 175 s that way, 2026-12-03)
-    for variant in "340 --graphs" "200"; do
+    # (then one request alone, a batch of one: 2026-12-04's concurrency 1 accepted less than 4 and 8)
+    for variant in "340 --graphs" "200 --graphs --requests 1" "200"; do
         set -- $variant
         limit=$1
         shift

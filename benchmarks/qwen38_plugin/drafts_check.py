@@ -10,7 +10,8 @@ against the fp32 references:
     python benchmarks/qwen38_plugin/drafts_check.py OUT [--method dflash|mtp] [--dtype float16] [--graphs]
 
 The tiny Qwen4Exp target (fp32 weights) and, for ``dflash``, the test's random one-layer drafter,
-for ``mtp`` the target's random MTP head; three greedy requests together, 3 drafts a step, every
+for ``mtp`` the target's random MTP head; three greedy requests together (``--requests 1``: the first
+alone), 3 drafts a step, every
 step's drafts recorded from stock's scheduler (V1 runner) or, where vLLM's V2 runner keeps them on
 the device (CUDA), from its draft handler. The MTP head's later drafts read its own output streams
 and its K/V of the positions drafted before them, which the V1 and V2 runners prepare through
@@ -19,7 +20,8 @@ differ where the reference's top two logits are clearly apart (more than ``--cle
 those are not the dtype's noise. OUT/drafts_check.json holds the drafts, the reference's and the
 margins. On CPU with ``--dtype float32`` and no ``--graphs`` it is the tests' comparison (a check of
 this script). On CPU, 2026-12-02 (DFlash): float32 0 of 99 drafts differ; bfloat16 9 differ, none
-clearly (all within 0.05 of a tie); float16 0 differ; 2026-12-03 (MTP): float32 0 of 99. On the H200
+clearly (all within 0.05 of a tie); float16 0 differ; 2026-12-03 (MTP): float32 0 of 99; 2026-12-04 (MTP,
+``--requests 1``): float32 0 of 33. On the H200
 (V2 runner) float32 is refused (vLLM's GDN prefill kernel); the first DFlash run there, before the
 draft handler was read, recorded only placeholders (now refused: nothing compared).
 """
@@ -47,6 +49,13 @@ def main() -> None:
     parser.add_argument("--clear-margin", type=float, default=0.05)
     parser.add_argument("--work", type=Path, default=Path("/tmp/drafts_check"))
     parser.add_argument("--timeout", type=int, default=400, help="seconds for the engine")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        choices=[1, 2, 3],
+        default=3,
+        help="how many of the three prompts the engine serves together (1: the first alone, a batch of one)",
+    )
     args = parser.parse_args()
 
     import torch
@@ -71,9 +80,13 @@ def main() -> None:
     if not torch.cuda.is_available():
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     log = args.out / "engine.log"
+    command = engine_command(target, drafter_dir)
+    # the prompts are the command's JSON argument (the engine side's third); fewer of them, a smaller batch
+    # (2026-12-04: concurrency 1 accepted less than 4 and 8 on the H200, and these checks had run three together)
+    command[4] = json.dumps(json.loads(command[4])[: args.requests])
     with log.open("w") as f:
         # the engine's own log goes to stdout (vLLM's logger): kept beside stderr's
-        proc = subprocess.run(engine_command(target, drafter_dir), stdout=subprocess.PIPE, stderr=f, text=True,
+        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=f, text=True,
                               env=env, timeout=args.timeout, check=False)  # fmt: skip
     (args.out / "engine.stdout").write_text(proc.stdout)
     if proc.returncode != 0:
@@ -99,7 +112,7 @@ def main() -> None:
             counts["differ"] += d != r
             counts["differ_clearly"] += d != r and margin[j] > args.clear_margin
     summary = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", "method": args.method,
-               "dtype": args.dtype, "graphs": args.graphs, "steps": len(served),
+               "dtype": args.dtype, "graphs": args.graphs, "requests": args.requests, "steps": len(served),
                "drafts": sum(c["drafts"] for c in by_position.values()),
                "differ": sum(c["differ"] for c in by_position.values()),
                "differ_clearly": sum(c["differ_clearly"] for c in by_position.values()),
