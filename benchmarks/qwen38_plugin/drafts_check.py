@@ -80,10 +80,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     log = args.out / "engine.log"
-    command = engine_command(target, drafter_dir)
-    # the prompts are the command's JSON argument (the engine side's third); fewer of them, a smaller batch
-    # (2026-12-04: concurrency 1 accepted less than 4 and 8 on the H200, and these checks had run three together)
-    command[4] = json.dumps(json.loads(command[4])[: args.requests])
+    # (--requests: 2026-12-04's concurrency 1 accepted less than 4 and 8 on the H200, and these checks had run
+    # three requests together)
+    command = engine_command(target, drafter_dir, args.requests)
     with log.open("w") as f:
         # the engine's own log goes to stdout (vLLM's logger): kept beside stderr's
         proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=f, text=True,

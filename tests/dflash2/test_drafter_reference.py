@@ -144,10 +144,11 @@ def build_drafter(target: Path, path: Path) -> Any:
     return drafter.eval()
 
 
-def engine_command(target: Path, drafter: Path) -> list[str]:
-    """The engine side (`engine_main`) for three prompts of PROMPT_LENGTHS random tokens."""
+def engine_command(target: Path, drafter: Path, requests: int = len(PROMPT_LENGTHS)) -> list[str]:
+    """The engine side (`engine_main`) for the first ``requests`` prompts of PROMPT_LENGTHS random
+    tokens, served together."""
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 240_000, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    prompts = [torch.randint(0, 240_000, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS][:requests]
     return [sys.executable, str(HERE), str(target), str(drafter), json.dumps(prompts), str(MAX_TOKENS)]
 
 
