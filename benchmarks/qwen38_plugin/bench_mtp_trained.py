@@ -375,6 +375,14 @@ def measured_groups(batch: int, min_sequences: int) -> int:
     return max(1, -(-min_sequences // batch))
 
 
+def acceptance_length(before: dict[str, Any], after: dict[str, Any]) -> float | None:
+    """1 + accepted drafts per verify step between two `spec_counters` readings (None: no drafts)."""
+    drafts = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
+    if not drafts:
+        return None
+    return 1 + (after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]) / drafts
+
+
 def child_measure(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -384,6 +392,7 @@ def child_measure(args: argparse.Namespace) -> dict[str, Any]:
     # settings decode the same text and their greedy tokens can be set side by side
     most = max(b * measured_groups(b, args.min_sequences) for b in args.batches)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in random_prompts(most, 1000, args.corpus)]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     results: dict[str, Any] = {}
     for batch in args.batches:
         groups = [prompts[g * batch : (g + 1) * batch] for g in range(measured_groups(batch, args.min_sequences))]
@@ -397,18 +406,14 @@ def child_measure(args: argparse.Namespace) -> dict[str, Any]:
             prefill += min(timed_greedy(llm, group, 1) for _ in range(args.repeats))
             start = spec_counters(llm)
             runs = []
-            for _ in range(args.repeats):
+            for _ in range(args.repeats):  # (timed_greedy's run, keeping the tokens)
                 began = time.perf_counter()
-                outputs = llm.generate(group, SamplingParams(max_tokens=args.new_tokens, temperature=0.0,
-                                                             ignore_eos=True), use_tqdm=False)  # fmt: skip
+                outputs = llm.generate(group, params, use_tqdm=False)
                 runs.append(time.perf_counter() - began)
             total += min(runs)
             tokens += [list(o.outputs[0].token_ids) for o in outputs]
-            end = spec_counters(llm)
-            drafts = end.get("spec_decode_num_drafts", 0) - start.get("spec_decode_num_drafts", 0)
-            if drafts:
-                accepted = end["spec_decode_num_accepted_tokens"] - start["spec_decode_num_accepted_tokens"]
-                by_group.append(1 + accepted / drafts)
+            if (group_length := acceptance_length(start, spec_counters(llm))) is not None:
+                by_group.append(group_length)
         after = spec_counters(llm)
         row: dict[str, Any] = {"sequences": len(tokens), "prefill_s": prefill, "total_s": total, "tokens": tokens}
         if total > prefill:
@@ -417,10 +422,9 @@ def child_measure(args: argparse.Namespace) -> dict[str, Any]:
             # (2026-12-02, plain at batch 64: the 1-token runs were the slower ones, a compile among them)
             row["error"] = (f"decode time not measurable: {args.new_tokens} tokens took {total:.3f} s, no more "
                             f"than the {prefill:.3f} s of a 1-token run")  # fmt: skip
-        drafts = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
-        if drafts:
-            accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-            row["acceptance_length"] = 1 + accepted / drafts
+        if (length := acceptance_length(before, after)) is not None:
+            drafts = after["spec_decode_num_drafts"] - before.get("spec_decode_num_drafts", 0)
+            row["acceptance_length"] = length
             row["acceptance_by_group"] = by_group
             row["verify_steps"] = drafts / args.repeats
             by_position = after.get("spec_decode_num_accepted_tokens_per_pos")
