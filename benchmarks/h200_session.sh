@@ -53,6 +53,7 @@
 #      --dflash-train-seconds 80 --chain-train 3 in A.
 #      2026-12-04 (that A, both methods): 444 s, 404 s (the chained head alone 202 s, so the drafter did not
 #      finish) and 395 s (the drafter again, then every setting). Next: BUDGET=470, 585, 585.
+#      2026-12-04, second session (BUDGET=470, 585, 585): 426 s, 433 s, 313 s; then part l fits the third call's rest.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py, medium and Flash-Next
 #      mixer sizes (about 3 minutes).
@@ -62,6 +63,8 @@
 #      the GPUs allow, MTP 3, DCP 2's answer; on one H200, TP=1 only).
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP, and MTP
 #      with QWEN38_QSA_DRAFT_UPDATE=0 (each draft step's QSA metadata built on the host, one graph a step).
+#   l: after part k on the same machine: its trained settings (none, MTP, DFlash: accepted drafts) under the
+#      profiler at batch 1 (profile_gpu.py --trained), wall and GPU time per verify step.
 #   u: the A/B of MTP's in-place draft-step metadata alone, alternating (QWEN38_QSA_DRAFT_UPDATE 0, 1, 0, 1: one
 #      engine process each, profile_gpu.py --speculative mtp), since one pair's wall times differed by more than
 #      the host's speed between processes (2026-12-03: results/h200_bench_mtp_trained.txt).
@@ -219,7 +222,10 @@ k)
 f)
     # (float32 is refused on CUDA: vLLM's GDN prefill kernel; the graphs variant first compiles and
     # captures, about 10 s a graph on a fresh machine)
-    for variant in "280 float16 --graphs" "150 float16 --graphs --requests 1" "150 float16" "150 bfloat16"; do
+    # F_VARIANTS: a subset, as G_VARIANTS in part g
+    IFS=';' read -r -a variants <<<"${F_VARIANTS:-280 float16 --graphs;150 float16 --graphs --requests 1;150 float16;150 bfloat16}"
+    for variant in "${variants[@]}"; do
+        # shellcheck disable=SC2086  # the variant's words
         set -- $variant
         limit=$1
         shift
@@ -234,7 +240,10 @@ g)
     # (run first on a cold machine, the graphs variant's engine start compiles every Triton kernel: the
     # eager variant alone did not start within 175 s that way, 2026-12-03)
     # (then one request alone, a batch of one: 2026-12-04's concurrency 1 accepted less than 4 and 8)
-    for variant in "340 --graphs" "200 --graphs --requests 1" "200"; do
+    # G_VARIANTS ("LIMIT FLAGS;LIMIT FLAGS"): a subset, e.g. "240 --graphs --requests 1" on a warm machine
+    IFS=';' read -r -a variants <<<"${G_VARIANTS:-340 --graphs;200 --graphs --requests 1;200}"
+    for variant in "${variants[@]}"; do
+        # shellcheck disable=SC2086  # the variant's words
         set -- $variant
         limit=$1
         shift
@@ -271,6 +280,22 @@ q)
         fi
         cap=170
     done
+    ;;
+l)
+    # after part k on the same warm machine: its trained settings' steps under the profiler (accepted drafts,
+    # several tokens a step), batch 1, 127 tokens a request: where DFlash's 5.35 ms a step went (MTP 4.29, plain
+    # 3.16 unprofiled; with every draft rejected a DFlash step took about a plain one's, part q, 2026-12-03)
+    paths=$work/results-k/mtp/bench_mtp_trained.json
+    if [ ! -f "$paths" ]; then
+        echo "part l: $paths is missing: run part k on this machine first"
+    else
+        for spec in dflash mtp none; do
+            CUDA_VISIBLE_DEVICES=0 timeout $(lim 150) python3 benchmarks/qwen38_plugin/profile_gpu.py \
+                "$res/profile-trained-$spec" --speculative $spec --drafts 3 --batches 1 --steps 127 --work $work/q38 \
+                --trained "$paths" >"$res/profile-trained-$spec.log" 2>&1
+            grep -E '^(none|dflash3|mtp3) batch' "$res/profile-trained-$spec.log" || tail -3 "$res/profile-trained-$spec.log"
+        done
+    fi
     ;;
 u)
     cap=280  # the first engine on a cold machine compiles every Triton kernel

@@ -21,6 +21,15 @@ beside DFlash). Random drafts are all rejected, so every step emits one token an
 the whole cost of a speculative step: the target verifying ``1 + --drafts`` tokens a request, the
 rejection sampler and the drafter's passes. Without ``--speculative`` the engine keeps vLLM's
 defaults (prefix caching on).
+
+``--trained OUT/bench_mtp_trained.json``: bench_mtp_trained.py's trained setting for ``--speculative``
+instead (``none``: its pretrained target; ``mtp``: the target with the trained head; ``dflash``: the
+pretrained target and the trained drafter; prompts from its held-out corpus windows), so drafts are
+accepted and a step emits several tokens. The verify steps are
+counted from vLLM's spec-decode counters, and the wall and GPU times are given per verify step
+(2026-12-04 on the H200: a DFlash step with accepted drafts took 5.35 ms unprofiled at concurrency
+1, MTP's 4.29 and a plain step 3.16, where with every draft rejected DFlash's took about a plain
+step's). Part l of benchmarks/h200_session.sh runs it after part k on the same machine.
 """
 
 from __future__ import annotations
@@ -47,10 +56,14 @@ def speculative_engine(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     from bench_mtp_trained import dflash_config_for
 
     work = args.work or args.out
-    model = build_mtp_checkpoint(work, args.config, args.dtype)  # the medium geometry with an MTP head
+    # the medium geometry with an MTP head, or a trained one
+    model = args.target or build_mtp_checkpoint(work, args.config, args.dtype)
     extra: dict[str, Any] = {"enable_prefix_caching": False}
     if args.speculative == "mtp":
         extra["speculative_config"] = {"method": "mtp", "num_speculative_tokens": args.drafts}
+    elif args.speculative == "dflash" and args.drafter:
+        extra["speculative_config"] = {"method": "dflash", "model": str(args.drafter),
+                                       "num_speculative_tokens": args.drafts}  # fmt: skip
     elif args.speculative == "dflash":
         from safetensors.torch import save_file
 
@@ -81,7 +94,11 @@ def main() -> None:
     parser.add_argument("--speculative", choices=["mtp", "dflash", "none"])
     parser.add_argument("--drafts", type=int, default=3)
     parser.add_argument("--work", type=Path)
+    parser.add_argument("--trained", type=Path, help="bench_mtp_trained.py's report: serve its trained setting")
     args = parser.parse_args()
+    args.target = args.drafter = args.corpus = None
+    if args.trained:
+        trained_setting(parser, args)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.compiled:
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
@@ -103,10 +120,17 @@ def main() -> None:
         label += str(args.drafts)
     llm = LLM(
         model=str(model), dtype=args.dtype, max_model_len=args.prompt_len + args.steps + 16, seed=0,
-        max_num_seqs=max(batches), gpu_memory_utilization=0.5, enforce_eager=args.enforce_eager, **extra,
+        max_num_seqs=max(batches), gpu_memory_utilization=0.5, enforce_eager=args.enforce_eager,
+        disable_log_stats=not args.speculative, **extra,
     )  # fmt: skip
     for batch in batches:
-        inputs = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, args.prompt_len, seed=batch)]
+        if args.corpus:
+            from bench_mtp_trained import random_prompts
+
+            token_ids = random_prompts(batch, 1000 + batch, str(args.corpus))
+        else:
+            token_ids = _prompts(batch, args.prompt_len, seed=batch)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in token_ids]
 
         def run(max_tokens: int, inputs: list[TokensPrompt] = inputs) -> float:
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -118,23 +142,60 @@ def main() -> None:
 
         run(4)
         prefill = min(run(1) for _ in range(3))
+        before = verify_steps(llm)
         total = min(run(args.steps + 1) for _ in range(3))
-        step_ms = 1e3 * (total - prefill) / args.steps
+        # decode steps of the timed runs: one per token without speculation, else vLLM's verify steps
+        steps = (verify_steps(llm) - before) / 3 / batch if args.speculative not in (None, "none") else args.steps
+        step_ms = 1e3 * (total - prefill) / steps
+        before = verify_steps(llm)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             run(args.steps + 1)
+        if args.speculative not in (None, "none"):
+            steps = (verify_steps(llm) - before) / batch
         events = prof.key_averages()
         kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
         launches = sum(e.count for e in events if e.key == "cudaGraphLaunch")
         lines = [
             f"{label} batch {batch}: wall {step_ms:.3f} ms per decode step (prefill {1e3 * prefill:.1f} ms); "
-            f"GPU kernels {kernel_us / 1e3 / (args.steps + 1):.3f} ms per step (prefill included); "
-            f"cudaGraphLaunch {launches / (args.steps + 1):.1f} per step",
+            f"GPU kernels {kernel_us / 1e3 / (steps + 1):.3f} ms per step (prefill included); "
+            f"cudaGraphLaunch {launches / (steps + 1):.1f} per step; "
+            f"{args.steps / steps:.2f} tokens per step ({steps:.1f} steps for {args.steps} tokens a request)",
             events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90),
             events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90),
         ]
         text = "\n".join(lines)
         (args.out / f"profile{'-' + label if args.speculative else ''}-b{batch}.txt").write_text(text)
         print(lines[0], flush=True)
+
+
+def trained_setting(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.target`` / ``drafter`` / ``corpus`` / ``prompt_len`` from bench_mtp_trained.py's report."""
+    import json
+
+    from bench_mtp_trained import PROMPT_LEN
+
+    if not args.speculative:
+        parser.error("--trained: give --speculative none|mtp|dflash (the trained setting to serve)")
+    try:
+        paths = json.loads(args.trained.read_text())["paths"]
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(f"--trained {args.trained}: no bench_mtp_trained.py report with its 'paths' ({exc!r}); "
+                     "run bench_mtp_trained.py past its dflash-train stage first")  # fmt: skip
+    wanted = {"none": ["plain"], "mtp": ["mtp"], "dflash": ["plain", "dflash"]}[args.speculative] + ["corpus"]
+    if missing := [k for k in wanted if not paths.get(k)]:
+        parser.error(f"--trained {args.trained}: the report has no {missing} for --speculative {args.speculative} "
+                     "(run bench_mtp_trained.py with that method and --pretrain-steps)")  # fmt: skip
+    args.target = Path(paths["mtp" if args.speculative == "mtp" else "plain"])
+    args.drafter = Path(paths["dflash"]) if args.speculative == "dflash" else None
+    args.corpus = Path(paths["corpus"])
+    args.prompt_len = PROMPT_LEN  # the corpus windows' length
+
+
+def verify_steps(llm: Any) -> float:
+    """vLLM's count of verify steps summed over requests (spec-decode drafts), 0 without speculation."""
+    from vllm.v1.metrics.reader import Counter
+
+    return sum(m.value for m in llm.get_metrics() if isinstance(m, Counter) and m.name == "vllm:spec_decode_num_drafts")
 
 
 if __name__ == "__main__":
