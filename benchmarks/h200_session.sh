@@ -53,7 +53,9 @@
 #      --dflash-train-seconds 80 --chain-train 3 in A.
 #      2026-12-04 (that A, both methods): 444 s, 404 s (the chained head alone 202 s, so the drafter did not
 #      finish) and 395 s (the drafter again, then every setting). Next: BUDGET=470, 585, 585.
-#      2026-12-04, second session (BUDGET=470, 585, 585): 426 s, 433 s, 313 s; then part l fits the third call's rest.
+#      2026-12-04, second session (BUDGET=470, 585, 585): 426 s, 433 s, 313 s (the measurements: three children,
+#      about 100 s each). The speed-ups moved by up to 2x between those two sessions, so next: A with --rounds 2
+#      (every setting measured twice, round after round, the faster counting): a fourth call finishes round 2.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py, medium and Flash-Next
 #      mixer sizes (about 3 minutes).
