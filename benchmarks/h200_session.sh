@@ -102,6 +102,14 @@ lim() { # lim CAP: CAP seconds, or what is left before the deadline less 15 s, w
     echo $((left < $1 ? (left > 1 ? left : 1) : $1))
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv >"$res/gpus.txt" 2>&1
+# The host beside the GPU: wall-time ratios between processes moved by up to 2x from one machine to the next
+# (2026-12-04), and a graph launch took 250-500 us of host time under the profiler, so each part records the CPU
+# model, its clock, the NUMA layout and the GPU's CPU affinity.
+{
+    nproc
+    lscpu | grep -iE '^(model name|cpu mhz|cpu max mhz|numa|thread|core|socket|hypervisor)'
+    nvidia-smi topo -m
+} >"$res/host.txt" 2>&1
 # On a one-GPU machine (kind nvidia-h200) "GPU 1" is GPU 0 and a job the parts start in the background
 # is waited for at once (`solo`), so the two halves of a part run one after the other; part s leaves
 # its multimodal half to part m there, and t (two GPUs) is refused.
@@ -292,7 +300,7 @@ l)
         echo "part l: $paths is missing: run part k on this machine first"
     else
         for spec in dflash mtp none; do
-            CUDA_VISIBLE_DEVICES=0 timeout $(lim 150) python3 benchmarks/qwen38_plugin/profile_gpu.py \
+            CUDA_VISIBLE_DEVICES=0 timeout $(lim 200) python3 benchmarks/qwen38_plugin/profile_gpu.py \
                 "$res/profile-trained-$spec" --speculative $spec --drafts 3 --batches 1 --steps 127 --work $work/q38 \
                 --trained "$paths" >"$res/profile-trained-$spec.log" 2>&1
             grep -E '^(none|dflash3|mtp3) batch' "$res/profile-trained-$spec.log" || tail -3 "$res/profile-trained-$spec.log"
