@@ -1080,7 +1080,7 @@ def main() -> None:
         else:
             report["dflash_train"] = train_dflash(args, model, generated["sequences"], device, drafter)
         save()
-    # what each setting serves, for profile_gpu.py --target / --drafter / --corpus (part l of h200_session.sh)
+    # what each setting serves, for profile_gpu.py --trained (part l of h200_session.sh)
     report["paths"] = {"plain": str(model), "mtp": str(trained) if "mtp" in methods else None,
                        "dflash": str(drafter) if "dflash" in methods else None, "corpus": args.corpus}  # fmt: skip
     save()

@@ -25,11 +25,11 @@ defaults (prefix caching on).
 ``--trained OUT/bench_mtp_trained.json``: bench_mtp_trained.py's trained setting for ``--speculative``
 instead (``none``: its pretrained target; ``mtp``: the target with the trained head; ``dflash``: the
 pretrained target and the trained drafter; prompts from its held-out corpus windows), so drafts are
-accepted and a step emits several tokens. The verify steps are
-counted from vLLM's spec-decode counters, and the wall and GPU times are given per verify step
-(2026-12-04 on the H200: a DFlash step with accepted drafts took 5.35 ms unprofiled at concurrency
-1, MTP's 4.29 and a plain step 3.16, where with every draft rejected DFlash's took about a plain
-step's). Part l of benchmarks/h200_session.sh runs it after part k on the same machine.
+accepted and a step emits several tokens. The verify steps are counted from vLLM's spec-decode
+counters, and the wall and GPU times are given per verify step (2026-12-04 on the H200, unprofiled,
+concurrency 1: a DFlash step with accepted drafts 5.35 ms, MTP's 4.29, a plain step 3.16; with every
+draft rejected DFlash's had taken about a plain step's, but such ratios between processes moved by
+up to 2x from one machine to the next). Part l of benchmarks/h200_session.sh runs it after part k.
 """
 
 from __future__ import annotations
