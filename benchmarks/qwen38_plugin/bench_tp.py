@@ -24,17 +24,20 @@ run), one vLLM child (fp16, vLLM's defaults: V2 runner, CUDA graphs) serves:
 With ``--mtp K`` each TP size runs again with MTP (K drafts): tokens equal to that TP size without
 speculation, and the acceptance counters. ``--dcp 2`` starts each TP size >= 2 with
 ``decode_context_parallel_size=2`` and records how startup answers (the portable model refuses it,
-naming the option). Last, the all-reduce traffic a decode step needs at each batch size (two
-all-reduces of ``hidden_size`` per token and layer, fp16) and its time on a V100 PCIe ring (the
-reference deployment's 4 x V100: ``--v100-link-gbs`` GB/s per direction, ring all-reduce moves
-2 (n - 1) / n of the bytes), beside the measured step times. Results: OUT_DIR/bench_tp.json.
+naming the option). On a GPU, each decode speed is also set against bench_gpu's weight-read roofline
+for this geometry (the copy bandwidth measured in the same run; TP=n against n times TP=1's): issue
+10's measure at a real model's widths, where the medium config's steps are mostly fixed costs. Last,
+the all-reduce traffic a decode step needs at each batch size (two all-reduces of ``hidden_size``
+per token and layer, fp16) and its time on a V100 PCIe ring (the reference deployment's 4 x V100:
+``--v100-link-gbs`` GB/s per direction, ring all-reduce moves 2 (n - 1) / n of the bytes), beside
+the measured step times. Results: OUT_DIR/bench_tp.json.
 
 ``--dry-run`` proves the script on CPU: the geometry scaled down (hidden 256, 16 experts; the real
 head counts and vocabulary), fp32, TP 1 and 2 unless ``--tps`` says otherwise (each rank a process
-bound to a core, ranks beyond the core count sharing them), batches 1 and 2, MTP with 2 drafts,
-DCP 2; its tokens are a real comparison, its speeds are not measurements. ``--geometry flash-next``
-runs Flash-Next's own per-layer geometry there instead, with 32 experts (host memory) and the
-n-gram base of ``--ngram-base``.
+bound to a core, ranks beyond the core count sharing them), batches 1 and 2, MTP with 2 drafts, DCP
+2; its tokens are a real comparison, its speeds are not measurements. ``--geometry flash-next`` runs
+Flash-Next's own per-layer geometry there instead, with 32 experts (host memory) and the n-gram base
+of ``--ngram-base``.
 """
 
 from __future__ import annotations
@@ -238,7 +241,11 @@ def summary(report: dict[str, Any]) -> str:
             if versus:  # the step, and the reference's top-2 logprob margin there (a near tie when small)
                 pairs = zip(versus["first_difference"], versus["reference_margin_there"], strict=True)
                 firsts = ", ".join("-" if f is None else f"{f} ({m:.3g})" for f, m in pairs)
-            speeds = ", ".join(f"b{b}: {x:.1f}" for b, x in run.get("decode_tok_s", {}).items()) or "-"
+            roof = report.get("roofline_decode_tok_s", {})
+            speeds = ", ".join(
+                f"b{b}: {x:.1f}" + (f" ({100 * x / (int(tp) * roof[b]):.1f} % of roofline)" if b in roof else "")
+                for b, x in run.get("decode_tok_s", {}).items()
+            ) or "-"  # fmt: skip
             spec = run.get("spec_decode")
             drafts = (
                 f"{spec['spec_decode_num_draft_tokens']:.0f} / {spec['spec_decode_num_accepted_tokens']:.0f}"
@@ -300,6 +307,17 @@ def main() -> None:
     config = json.loads((model / "config.json").read_text())
     report: dict[str, Any] = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(), "gpus": available,
                               "model": model.name, "dtype": args.dtype, "runs": {}, "not_run": []}  # fmt: skip
+    if not args.cpu:
+        # Issue 10's measure at this geometry: bench_gpu's weight-read roofline (the bytes a decode step
+        # reads over the copy bandwidth measured here), per GPU; at TP=n each rank reads about 1/n of it
+        # in parallel, so TP=n is set against n times the TP=1 roofline (optimistic: some weights are
+        # replicated on every rank).
+        from bench_gpu import copy_bandwidth, decode_bytes
+
+        bandwidth = copy_bandwidth()
+        elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+        report["copy_bandwidth_GBps"] = bandwidth / 1e9
+        report["roofline_decode_tok_s"] = {str(b): b * bandwidth / decode_bytes(config, b, elem) for b in args.batches}
 
     def save() -> None:
         (args.out / "bench_tp.json").write_text(json.dumps(report, indent=2))
