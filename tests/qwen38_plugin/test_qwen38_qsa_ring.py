@@ -3,10 +3,12 @@
 - the rule as a pure function: the ring (the open group plus the speculative rows, in whole
   groups) widens by whole groups up to 4x until it divides the block size, else names the
   block-size multiple to use;
-- the vLLM cache layers (`vllm_qsa_cache`) declare the widened ring in their vLLM specs;
+- the vLLM cache layers (`vllm_qsa_cache`) declare the widened ring in their vLLM specs, and fit
+  it again when vLLM changes the block size after the model is built (a drafter's config does);
 - real engine starts: a compress ratio that does not divide the CPU's default block size gets a
   block size that works (and serves transformers' tokens); an explicit block size no ring
-  divides fails at startup with the rule's message.
+  divides fails at startup with the rule's message; MTP with 5 drafts (a 12-token ring) starts
+  and keeps the target's tokens.
 """
 
 from __future__ import annotations
@@ -167,3 +169,43 @@ def test_engine_refuses_a_block_size_no_ring_divides(tiny_checkpoint: Callable[.
     status, served, log = _engine(model, [[1, 2, 3]], block_size=250)
     assert status != 0 and served is None
     assert "divides the attention block size 250; use a --block-size that is a multiple of 4" in log, log[-3000:]
+
+
+def test_ring_is_fitted_again_when_the_block_size_changes_after_construction(
+    tiny_checkpoint: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Built at block size 384 with five draft rows (ring 12); vLLM then puts 128 back (as a V1
+    # proposer's drafter config does on CPU): the ring is fitted again to 16, whole 4-token groups.
+    from qwen38_plugin.vllm_qsa_cache import QSAKVCache
+
+    path = tiny_checkpoint("qwen4_exp_text", dtype="float32")
+    vllm_config = _fake_vllm_config(path, block_size=384, spec_tokens=5)
+    layer = QSAKVCache(vllm_config, "model.layers.3.self_attn.kv", 2)
+    assert layer.ring is not None and layer.ring.get_kv_cache_spec(vllm_config).block_size == 12
+    vllm_config.cache_config.block_size = 128
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.qwen38_plugin"):
+        assert layer.ring.get_kv_cache_spec(vllm_config).block_size == 16
+    assert "QSA key ring fitted again, 12 -> 16 tokens: the attention block size became 128" in caplog.text
+    # no ring of whole groups up to 4x divides 250: the rule's error names the multiple
+    vllm_config.cache_config.block_size = 250
+    expected = "divides the attention block size 250; use a --block-size that is a multiple of 12"
+    with pytest.raises(qsa.RingCapacityError, match=expected):
+        layer.ring.get_kv_cache_spec(vllm_config)
+
+
+def test_engine_with_five_mtp_drafts_keeps_a_ring_that_divides_the_block_size(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    # Five draft rows make the ring 12 tokens, so the plugin rounds the CPU's default block size up to
+    # 384 while the target is built; building the MTP drafter's config then puts 128 back. Before the
+    # ring was fitted again at that point, the engine failed to start ("the attention block size
+    # became 128, which the 12-token ring does not divide"). Greedy MTP keeps the target's tokens.
+    from tests.qwen38_plugin.test_qwen38_mtp_reference import MTP
+
+    model = tiny_checkpoint("qwen4_exp_text", dtype="float32", overrides=MTP)
+    prompts = mixed_prompts(3)
+    spec = {"method": "mtp", "num_speculative_tokens": 5}
+    status, served, log = _engine(model, prompts, speculative_config=spec, enable_prefix_caching=False)
+    assert status == 0, log[-5000:]
+    assert "QSA key ring fitted again, 12 -> 16 tokens: the attention block size became 128" in log
+    assert served == reference_greedy(model, prompts, torch.float32)

@@ -20,7 +20,8 @@ groups' block sizes). At model construction, before any weight is loaded:
 divides an explicit ``--block-size`` (logged), or fails naming the block-size multiple to use;
 without an explicit block size, the platform default (128 on CPU) is rounded up to a multiple of
 the ring. vLLM then fits the block size to the mamba state pages by multiplying it, so the ring
-still divides it.
+still divides it. Where vLLM puts a platform default back later (a V1 proposer building its
+drafter's config does), the ring is fitted again when its cache spec is taken.
 
 A minimal attention backend only turns vLLM's common metadata into block tables and lengths;
 the attention itself is `qwen38_plugin.ops.qsa`. Nothing here assumes one tensor-parallel rank:
@@ -303,10 +304,16 @@ class QSAKeyRing(_CacheLayer):
     cache stores them the same way)."""
 
     def __init__(
-        self, vllm_config: VllmConfig, prefix: str, index_dim: int, capacity: int, rope_positions: bool = False
+        self,
+        vllm_config: VllmConfig,
+        prefix: str,
+        index_dim: int,
+        capacity: int,
+        ratio: int,
+        rope_positions: bool = False,
     ) -> None:
         super().__init__(vllm_config, prefix)
-        self.index_dim, self.capacity = index_dim, capacity
+        self.index_dim, self.capacity, self.ratio = index_dim, capacity, ratio
         per_int64 = max(1, 8 // self.dtype.itemsize)
         self.rope_position_offset = -(-index_dim // per_int64) * per_int64 if rope_positions else None
         self.row_size = index_dim if self.rope_position_offset is None else self.rope_position_offset + 3 * per_int64
@@ -326,10 +333,17 @@ class QSAKeyRing(_CacheLayer):
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         block_size = vllm_config.cache_config.block_size
         if block_size % self.capacity:
-            raise qsa.RingCapacityError(
-                f"QSA key ring: the attention block size became {block_size}, which the {self.capacity}-token ring "
-                f"does not divide; use a --block-size that is a multiple of {self.capacity}"
+            # The block size changed after the model was built: building a drafter's config (vLLM's
+            # V1 proposers replace the VllmConfig, whose check runs again on the shared cache config)
+            # puts a platform default back, e.g. the CPU's 128 where this plugin had rounded it up to
+            # 384 for a 12-token ring. The ring is only sized here, so it is fitted again (rule R38:
+            # whole groups, at most 4x), or the error names the --block-size multiple to use.
+            capacity = resolve_ring_capacity(vllm_config, self.ratio)
+            _log_once(
+                f"qwen38_plugin: QSA key ring fitted again, {self.capacity} -> {capacity} tokens: the attention "
+                f"block size became {block_size} after the model was built"
             )
+            self.capacity = capacity
         return CircularBufferSpec(
             block_size=self.capacity, num_kv_heads=1, head_size=self.row_size, head_size_v=0, dtype=self.dtype,
             dcp_sharded=False, max_tp_shards=1,  # every tensor-parallel rank holds the same ring
@@ -387,7 +401,7 @@ class QSAKVCache(_CacheLayer):
             capacity = resolve_ring_capacity(vllm_config, ratio)
             self.block_keys = QSABlockKeyCache(vllm_config, f"{prefix}.block_keys", config.indexer_head_dim, ratio)
             self.ring = QSAKeyRing(
-                vllm_config, f"{prefix}.key_ring", config.indexer_head_dim, capacity,
+                vllm_config, f"{prefix}.key_ring", config.indexer_head_dim, capacity, ratio,
                 rope_positions=vllm_config.model_config.uses_mrope,
             )  # fmt: skip
 
