@@ -1099,9 +1099,9 @@ def main() -> None:
     # host's speed moves between processes and over minutes (2026-12-04: the same setting's step cost
     # against plain's 1.07x in one session and 2.05x in the next), so each reading is the best round's.
     rounds: dict[str, list[dict[str, Any]]] = {}
+    batches = ",".join(map(str, args.batches))
     for round_ in range(1, args.rounds + 1):
         for name, checkpoint, drafts, dflash in settings:
-            batches = ",".join(map(str, args.batches))
             later = f"-round{round_}" if round_ > 1 else ""  # (round 1 keeps the name of runs before --rounds)
             measured = args.work / (
                 f"measure-{checkpoint.name}{f'-{dflash.name}' if dflash else ''}-d{drafts}-b{batches}"

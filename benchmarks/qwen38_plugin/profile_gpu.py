@@ -193,9 +193,9 @@ def trained_setting(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def verify_steps(llm: Any) -> float:
     """vLLM's count of verify steps summed over requests (spec-decode drafts), 0 without speculation."""
-    from vllm.v1.metrics.reader import Counter
+    from bench_mtp_trained import spec_counters
 
-    return sum(m.value for m in llm.get_metrics() if isinstance(m, Counter) and m.name == "vllm:spec_decode_num_drafts")
+    return float(spec_counters(llm).get("spec_decode_num_drafts", 0))
 
 
 if __name__ == "__main__":
