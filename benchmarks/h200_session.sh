@@ -62,7 +62,9 @@
 #   j: K20 in a GPU engine (benchmarks/dflash2/k20_gpu_check.py: adaptive verification with dflash2's
 #      acceptance estimator, with stock's, and without speculation; eager, then CUDA graphs).
 #   r: issue 16 on the machine's GPUs: bench_tp.py (Flash-Next's per-layer geometry at TP 1 / 2 / 4 as
-#      the GPUs allow, MTP 3, DCP 2's answer; on one H200, TP=1 only).
+#      the GPUs allow, MTP 3, DCP 2's answer; on one H200, TP=1 only). Each finished run is kept, so a second
+#      call on the warm machine measures only what the first one's limit cut (2026-12-04, BUDGET=570 with the
+#      kit's install: the 16 GB checkpoint 188 s, TP=1 plain about 200 s, then the limit inside the MTP run).
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP, and MTP
 #      with QWEN38_QSA_DRAFT_UPDATE=0 (each draft step's QSA metadata built on the host, one graph a step).
 #   l: after part k on the same machine: its trained settings (none, MTP, DFlash: accepted drafts) under the
