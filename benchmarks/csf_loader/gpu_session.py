@@ -237,13 +237,16 @@ def serve(session: Session, paths: dict[str, Path], tp: int, codecs: Sequence[st
     return report
 
 
-def load(session: Session, paths: dict[str, Path], repeats: int, codecs: Sequence[str] = CODECS) -> dict[str, Any]:
+def load(
+    session: Session, paths: dict[str, Path], repeats: int, codecs: Sequence[str] = CODECS, inline: bool = False
+) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for codec in codecs:
         out = session.out / f"load-{codec}.json"
         script = "benchmarks/csf_loader/load_overhead.py"
         children = session.out / f"load-{codec}-children.log"
         cmd = [sys.executable, script, str(paths[codec]), str(paths[f"{codec}_csf"]), "--repeats", str(repeats)]
+        cmd += ["--inline"] if inline else []
         run = session.run(f"load-{codec}", [*cmd, "--json", str(out), "--log", str(children)], 300)
         if out.exists():
             report[codec] = {k: v for k, v in json.loads(out.read_text()).items() if k != "samples"}
@@ -290,6 +293,11 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole session")
     parser.add_argument(
         "--repeats", type=int, default=3, help="loads of each checkpoint in the load step (the first compiles)"
+    )
+    parser.add_argument(
+        "--inline",
+        action="store_true",
+        help="the load step also loads each CSF checkpoint with its stream in line (load_overhead.py --inline)",
     )
     parser.add_argument(
         "--work", type=Path, default=Path("/tmp/csf_gpu_session"), help="checkpoints (kept out of OUT: gigabytes)"
@@ -348,7 +356,7 @@ def main() -> None:
             elif step == "tp2":
                 serve(session, paths, 2, codecs)
             else:
-                session.summary["load"] = load(session, paths, args.repeats, codecs)
+                session.summary["load"] = load(session, paths, args.repeats, codecs, args.inline)
         session.save()
         print(f"{step}: done, {session.left():.0f} s left", flush=True)
     if not_run:

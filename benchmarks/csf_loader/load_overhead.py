@@ -22,7 +22,9 @@ first CSF load does, and the later ones find it compiled, as every later load do
 of each format is reported apart (``first``), and the medians and ratios are over the loads after
 it when there are at least two (``--repeats`` >= 2; over all of them otherwise).
 
-Prints the medians and the CSF / source ratios; ``--json`` writes every sample too. The CSF load
+Prints the medians and the CSF / source ratios; ``--json`` writes every sample too. ``--inline`` adds
+loads of the CSF checkpoint with ``CSF_LOADER_READ_AHEAD=0`` (the stream in line with stock's copies)
+to the alternation, so the read-ahead's gain is measured in the same run. The CSF load
 should not be slower than the source's: on CUDA the planes are decoded on the GPU by the Triton
 kernel as they stream in (``csf_loader.device_decode``), on CPU by the torch codec.
 """
@@ -139,8 +141,10 @@ def child(model: str, load_format: str, dtype: str) -> dict[str, Any]:
     return result
 
 
-def run_child(model: Path, load_format: str, dtype: str, log: Path | None, triton_cache: Path) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_CACHE_DIR=str(triton_cache))
+def run_child(
+    model: Path, load_format: str, dtype: str, log: Path | None, triton_cache: Path, extra: dict[str, str] | None = None
+) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_CACHE_DIR=str(triton_cache), **(extra or {}))
     cmd = [sys.executable, __file__, "--child", str(model), load_format, "--dtype", dtype]
     # the child writes into a file, copied to the log even when a limit stops it, so what it printed
     # (a hang's stacks included) survives
@@ -177,6 +181,12 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--log", type=Path, default=None, help="append every child's output here")
+    parser.add_argument(
+        "--inline",
+        action="store_true",
+        help="also load the CSF checkpoint with CSF_LOADER_READ_AHEAD=0 (its stream in line with stock's copies, "
+        "as before read_ahead), in the same alternation: the read-ahead's own gain in one run",
+    )
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -187,10 +197,17 @@ def main() -> int:
     warm(args.source)
     warm(args.csf)
     samples: dict[str, list[dict[str, Any]]] = {"source": [], "csf": []}
+    if args.inline:
+        samples["csf-inline"] = []
     with tempfile.TemporaryDirectory(prefix="load-overhead-triton-") as triton_cache:
         for _ in range(args.repeats):
             samples["source"].append(run_child(args.source, "auto", args.dtype, args.log, Path(triton_cache)))
             samples["csf"].append(run_child(args.csf, "csf", args.dtype, args.log, Path(triton_cache)))
+            if args.inline:
+                inline = {"CSF_LOADER_READ_AHEAD": "0"}
+                samples["csf-inline"].append(
+                    run_child(args.csf, "csf", args.dtype, args.log, Path(triton_cache), inline)
+                )
     keys = ["load_s", "weights_s", "host_peak_bytes", "host_hwm_bytes"]
     if "gpu_peak_bytes" in samples["source"][0]:
         keys += ["gpu_peak_bytes", "gpu_after_bytes"]
@@ -201,6 +218,11 @@ def main() -> int:
         label: {k: statistics.median(s[k] for s in runs[later:]) for k in keys} for label, runs in samples.items()
     }
     ratios = {k: medians["csf"][k] / medians["source"][k] if medians["source"][k] else None for k in keys}
+    inline_ratios = (
+        {k: medians["csf-inline"][k] / medians["source"][k] if medians["source"][k] else None for k in keys}
+        if args.inline
+        else None
+    )
     device = samples["source"][0]["device"]
     size = {label: sum(p.stat().st_size for p in path.rglob("*.safetensors")) for label, path in
             (("source", args.source), ("csf", args.csf))}  # fmt: skip
@@ -222,11 +244,19 @@ def main() -> int:
             if ratio is not None
             else f"  {name:<24} source {medians['source'][k] / unit:10.3f}   csf {medians['csf'][k] / unit:10.3f}"
         )
+    if inline_ratios is not None:
+        print(
+            "  csf with CSF_LOADER_READ_AHEAD=0 (in line): "
+            + ", ".join(
+                f"{k} {medians['csf-inline'][k]:.3f} s ({inline_ratios[k]:.3f}x)" for k in ("load_s", "weights_s")
+            )
+            + f"; its decode: {samples['csf-inline'][-1]['decode_log']}"
+        )
     verdict = medians["csf"]["load_s"] <= medians["source"]["load_s"]
     print(f"CSF load not slower than the source's: {verdict}")
     if args.json:
         report = {"device": device, "sizes": size, "medians_over": over, "medians": medians, "ratios": ratios,
-                  "first": first, "samples": samples}  # fmt: skip
+                  "inline_ratios": inline_ratios, "first": first, "samples": samples}  # fmt: skip
         args.json.write_text(json.dumps({**report, "csf_not_slower": verdict}, indent=1))
     return 0
 

@@ -18,6 +18,9 @@ the CPU standing in for the GPU). Checks:
   and of two corrupt planes the first in stream order is named;
 * every corrupt-input case fails with the same ``CsfLoadError`` message on both paths, naming the
   file (or shard) and tensor;
+* the stream run on a thread ahead of its consumer (``read_ahead``, as the loader does with the
+  Triton kernel) gives the same tensors in order and the same errors (on cuda with the consumer on
+  a stream of its own);
 * an out-of-memory error while decoding names the tensor and the bytes it needed (on cpu the
   allocation is made to fail; on cuda the process's memory is really capped).
 
@@ -37,6 +40,7 @@ from csf_loader import device_decode
 from csf_loader.codec import MXFP4_CSF, NVFP4_CSF, CsfCodec, decode, encode
 from csf_loader.convert import main as csf_convert
 from csf_loader.device_decode import PlaneDecoder, StagingRing, stage_plane
+from csf_loader.read_ahead import read_ahead
 from csf_loader.stream import CsfLoadError, decode_csf_stream, mxfp4_container_stream
 from csf_loader.triton_decode import TRITON_START, decode_triton_stacked, describe_triton_start, prefetch_triton_start
 
@@ -233,6 +237,43 @@ def batched_windows(device: torch.device, kernel: str) -> None:
     check(on_host == on_device and "layers.4." in on_device, f"two bad planes: host {on_host!r}, device {on_device!r}")
 
 
+def read_ahead_paths(device: torch.device, kernel: str) -> None:
+    """The loader's device path runs the stream on a thread ahead of stock's copies (``read_ahead``):
+    the same tensors in the same order as the host path, a window of planes flushing while the consumer
+    lags two items behind, and a corrupt plane's error, the same message, after the tensors before it.
+    On CUDA the consumer iterates on a stream of its own, which the worker's copies and launches follow."""
+    stream: Stream = []
+    for i in range(12):
+        rows, cols = (32, 16) if i % 3 else (16, 64)
+        stream += pair(f"model.layers.{i}.mlp.experts.{i}.up_proj.weight_scale", scales(60 + i, rows, cols))
+        stream.append((f"model.layers.{i}.mlp.experts.{i}.up_proj.weight", torch.randn(64, 8)))
+    shard_of = dict.fromkeys([n for n, _ in stream], "model-00001-of-00001.safetensors")
+    host = consume(decode_csf_stream(stream, shard_of, decoder=PlaneDecoder(torch.device("cpu"), "torch")))
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def ahead(items: Stream) -> Stream:
+        decoder = PlaneDecoder(device, kernel, batch_planes=5)
+        produced = read_ahead(decode_csf_stream(items, shard_of, decoder=decoder), device, max_items=2)
+        if side is None:
+            return consume(produced)
+        with torch.cuda.stream(side):  # copied on the consumer's stream, as stock's weight loader does
+            copies = [(n, t.clone()) for n, t in produced]
+        side.synchronize()
+        return copies
+
+    same(host, ahead(stream), device, "read ahead")
+    bad = dict(stream)
+    name = f"model.layers.7.mlp.experts.7.up_proj.weight_scale{NVFP4_CSF.fixed_suffix}"
+    fixed = bad[name].clone()
+    fixed[0, 1] = 250
+    bad[name] = fixed
+    corrupt = list(bad.items())
+    on_host = error_of(
+        lambda: consume(decode_csf_stream(corrupt, shard_of, decoder=PlaneDecoder(torch.device("cpu"), "torch")))
+    )
+    check(on_host == error_of(lambda: ahead(corrupt)) and "layers.7." in on_host, f"read ahead, bad plane: {on_host!r}")
+
+
 def main() -> int:
     device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
     kernel = "triton" if device.type == "cpu" else ""  # on cpu the Triton kernel stands in for the GPU's
@@ -265,6 +306,7 @@ def main() -> int:
     )
     staged_planes(device)
     batched_windows(device, kernel)
+    read_ahead_paths(device, kernel)
     # A rank's extent: the host path decodes only that region, the device path the whole plane.
     region = ((16, 48), (2, 6))
     host_decoder, dev_decoder = host(), dev()
@@ -293,6 +335,12 @@ def main() -> int:
             consume(mxfp4_container_stream(csf, dev())),
             device,
             "MXFP4 container",
+        )
+        same(
+            consume(mxfp4_container_stream(csf, host())),
+            consume(read_ahead(mxfp4_container_stream(csf, dev()), device, max_items=1)),
+            device,
+            "MXFP4 container read ahead",
         )
         # A corrupt MXFP4 stream: a base above 254 in one expert's plane.
         from safetensors.torch import load_file, save_file

@@ -8,7 +8,8 @@ the model's own ``load_weights`` and stock's NVFP4 methods receive exactly the s
 The decode runs where the model's parameters are (``device_decode.PlaneDecoder``): on CUDA the
 compressed streams go to the GPU and the Triton kernel decodes them there as they stream in, a
 window of planes at a time (``stream.PlaneWindow``: up to 128 planes, or 32 MB of them and the tensors
-between them held back, checked, copied and decoded per shape at once); on CPU the torch codec
+between them held back, checked, copied and decoded per shape at once), the whole stream produced on a
+thread ahead of stock's copies (``read_ahead``; ``CSF_LOADER_READ_AHEAD=0`` keeps it in line); on CPU the torch codec
 decodes on the host, and for stock's parallel linear layers each rank decodes only its TP extent
 from the compressed payload (``tp_extent_resolver``).
 Stock's ModelOpt ``MIXED_PRECISION`` config reads the CSF ``config.json`` unchanged (it
@@ -32,8 +33,9 @@ Startup checks (each error names the tensor, and the shard when known):
 from __future__ import annotations
 
 import copy
+import logging
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from csf_loader.codec import SLAB_ROWS
 from csf_loader.device_decode import DecodeConfigError, PlaneDecoder, kernel_for_or_none
 from csf_loader.layout import is_mxfp4_container
+from csf_loader.read_ahead import ReadAheadConfigError, read_ahead, read_ahead_enabled
 from csf_loader.stream import (
     CsfLoadError,
     Extent,
@@ -59,6 +62,8 @@ from csf_loader.stream import (
 from csf_loader.triton_decode import prefetch_triton_start
 
 LOAD_FORMAT = "csf"
+
+logger = logging.getLogger("vllm.plugins.csf_loader")
 
 
 def check_parallel_config() -> None:
@@ -176,6 +181,10 @@ class CsfModelLoader(DefaultModelLoader):
         # Missing tensors must fail at startup for quantized checkpoints too (R40).
         if self.enable_weights_track is None:
             self.enable_weights_track = True
+        try:
+            self.read_ahead = read_ahead_enabled()
+        except ReadAheadConfigError as exc:
+            raise CsfLoadError(f"csf_loader: {exc}") from None
         # The loader is built just before the model: Triton's per-process start (its installation
         # hash) runs beside building the model and reading the weights instead of inside the
         # first decode launch (triton_decode.TritonStart).
@@ -194,16 +203,26 @@ class CsfModelLoader(DefaultModelLoader):
         self, model_config: ModelConfig, model: nn.Module
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         decoder = self.decoder_for(model)
+        stream: Iterator[tuple[str, torch.Tensor]]
         if is_mxfp4_container(model_config.model):
             # Stock starts its "Loading weights took" timer in its own weight iterator, which a
             # container bypasses; without this the log reports the seconds since boot.
             if self.counter_before_loading_weights == 0.0:
                 self.counter_before_loading_weights = time.perf_counter()
-            yield from mxfp4_container_stream(Path(model_config.model), decoder)
-            return
-        shard_of = shard_index(model_config.model)
-        extent_of = tp_extent_resolver(model)
-        yield from decode_csf_stream(super().get_all_weights(model_config, model), shard_of, extent_of, decoder)
+            stream = mxfp4_container_stream(Path(model_config.model), decoder)
+        else:
+            shard_of = shard_index(model_config.model)
+            extent_of = tp_extent_resolver(model)
+            stream = decode_csf_stream(super().get_all_weights(model_config, model), shard_of, extent_of, decoder)
+        # With the Triton kernel the stream's own work (checks, staging, launches) runs on a thread ahead of
+        # stock's copies (read_ahead); the torch codec on the host stays in line, on the worker's own cores.
+        if decoder.batches and self.read_ahead:
+            logger.info(
+                "csf_loader: the weight stream is decoded on a thread ahead of stock's copies "
+                "(CSF_LOADER_READ_AHEAD=0 keeps it in line)"
+            )
+            stream = read_ahead(stream, decoder.device)
+        yield from stream
 
     def download_model(self, model_config: ModelConfig) -> None:
         if is_mxfp4_container(model_config.model):
