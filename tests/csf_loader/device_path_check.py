@@ -198,19 +198,39 @@ def staged_planes(device: torch.device) -> None:
         check(torch.equal(out.cpu(), expected), f"{label}: decoded bytes differ")
 
 
+def expert_planes(count: int, proj: str, seed: int) -> tuple[Stream, dict[str, str]]:
+    """``count`` experts' scale planes of two shapes, each followed by an ordinary tensor, in one shard."""
+    stream: Stream = []
+    for i in range(count):
+        rows, cols = (32, 16) if i % 3 else (16, 64)
+        stream += pair(f"model.layers.{i}.mlp.experts.{i}.{proj}.weight_scale", scales(seed + i, rows, cols))
+        stream.append((f"model.layers.{i}.mlp.experts.{i}.{proj}.weight", torch.randn(64, 8)))
+    return stream, dict.fromkeys([n for n, _ in stream], "model-00001-of-00001.safetensors")
+
+
+def with_bad_bases(stream: Stream, layers: tuple[int, ...], proj: str) -> Stream:
+    """``stream`` with a base of 250 (above NVFP4-CSF's 240) in the planes of ``layers``."""
+    bad = dict(stream)
+    for i in layers:
+        name = f"model.layers.{i}.mlp.experts.{i}.{proj}.weight_scale{NVFP4_CSF.fixed_suffix}"
+        fixed = bad[name].clone()
+        fixed[0, 1] = 250
+        bad[name] = fixed
+    return list(bad.items())
+
+
+def host_decoded(stream: Stream, shard_of: dict[str, str]) -> Stream:
+    return consume(decode_csf_stream(stream, shard_of, decoder=PlaneDecoder(torch.device("cpu"), "torch")))
+
+
 def batched_windows(device: torch.device, kernel: str) -> None:
     """The device decoder takes planes in groups (``PlaneWindow``, ``decode_many``): a stream of
     many planes of two shapes between ordinary tensors, windows small enough to flush mid-stream
     on the plane count and on the held bytes, comes out in the host path's order with its bytes,
     in fewer launches than planes; with two corrupt planes of different shapes, the error names
     the first in stream order, as the host path's does."""
-    stream: Stream = []
-    for i in range(10):
-        rows, cols = (32, 16) if i % 3 else (16, 64)
-        stream += pair(f"model.layers.{i}.mlp.experts.{i}.gate_proj.weight_scale", scales(20 + i, rows, cols))
-        stream.append((f"model.layers.{i}.mlp.experts.{i}.gate_proj.weight", torch.randn(64, 8)))
-    shard_of = dict.fromkeys([n for n, _ in stream], "model-00001-of-00001.safetensors")
-    host = consume(decode_csf_stream(stream, shard_of, decoder=PlaneDecoder(torch.device("cpu"), "torch")))
+    stream, shard_of = expert_planes(10, "gate_proj", 20)
+    host = host_decoded(stream, shard_of)
     # the second half of the stream in another shard: the window is emptied at the boundary
     two_shards = {n: f"model-0000{1 + (k >= len(stream) // 2)}-of-00002.safetensors" for k, (n, _) in enumerate(stream)}
     for planes, held, shards in ((4, 1 << 30, shard_of), (128, 8000, shard_of), (128, 1 << 30, shard_of),
@@ -223,18 +243,11 @@ def batched_windows(device: torch.device, kernel: str) -> None:
             decoder.planes == 10 and 2 <= decoder.launches < 10,
             f"{label}: {decoder.planes} planes in {decoder.launches} launches",
         )
-    bad = dict(stream)
-    for i in (4, 6):  # shapes (32, 16) and (16, 64): plane 4 comes first
-        name = f"model.layers.{i}.mlp.experts.{i}.gate_proj.weight_scale{NVFP4_CSF.fixed_suffix}"
-        fixed = bad[name].clone()
-        fixed[0, 1] = 250
-        bad[name] = fixed
-    corrupt = list(bad.items())
-    on_host = error_of(
-        lambda: consume(decode_csf_stream(corrupt, shard_of, decoder=PlaneDecoder(torch.device("cpu"), "torch")))
-    )
+    corrupt = with_bad_bases(stream, (4, 6), "gate_proj")  # shapes (32, 16) and (16, 64): plane 4 comes first
+    host_error = error_of(lambda: host_decoded(corrupt, shard_of))
     on_device = error_of(lambda: consume(decode_csf_stream(corrupt, shard_of, decoder=PlaneDecoder(device, kernel))))
-    check(on_host == on_device and "layers.4." in on_device, f"two bad planes: host {on_host!r}, device {on_device!r}")
+    message = f"two bad planes: host {host_error!r}, device {on_device!r}"
+    check(host_error == on_device and "layers.4." in on_device, message)
 
 
 def read_ahead_paths(device: torch.device, kernel: str) -> None:
@@ -242,13 +255,7 @@ def read_ahead_paths(device: torch.device, kernel: str) -> None:
     the same tensors in the same order as the host path, a window of planes flushing while the consumer
     lags two items behind, and a corrupt plane's error, the same message, after the tensors before it.
     On CUDA the consumer iterates on a stream of its own, which the worker's copies and launches follow."""
-    stream: Stream = []
-    for i in range(12):
-        rows, cols = (32, 16) if i % 3 else (16, 64)
-        stream += pair(f"model.layers.{i}.mlp.experts.{i}.up_proj.weight_scale", scales(60 + i, rows, cols))
-        stream.append((f"model.layers.{i}.mlp.experts.{i}.up_proj.weight", torch.randn(64, 8)))
-    shard_of = dict.fromkeys([n for n, _ in stream], "model-00001-of-00001.safetensors")
-    host = consume(decode_csf_stream(stream, shard_of, decoder=PlaneDecoder(torch.device("cpu"), "torch")))
+    stream, shard_of = expert_planes(12, "up_proj", 60)
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def ahead(items: Stream) -> Stream:
@@ -261,17 +268,13 @@ def read_ahead_paths(device: torch.device, kernel: str) -> None:
         side.synchronize()
         return copies
 
-    same(host, ahead(stream), device, "read ahead")
-    bad = dict(stream)
-    name = f"model.layers.7.mlp.experts.7.up_proj.weight_scale{NVFP4_CSF.fixed_suffix}"
-    fixed = bad[name].clone()
-    fixed[0, 1] = 250
-    bad[name] = fixed
-    corrupt = list(bad.items())
-    on_host = error_of(
-        lambda: consume(decode_csf_stream(corrupt, shard_of, decoder=PlaneDecoder(torch.device("cpu"), "torch")))
+    same(host_decoded(stream, shard_of), ahead(stream), device, "read ahead")
+    corrupt = with_bad_bases(stream, (7,), "up_proj")
+    host_error = error_of(lambda: host_decoded(corrupt, shard_of))
+    check(
+        host_error == error_of(lambda: ahead(corrupt)) and "layers.7." in host_error,
+        f"read ahead, bad plane: {host_error!r}",
     )
-    check(on_host == error_of(lambda: ahead(corrupt)) and "layers.7." in on_host, f"read ahead, bad plane: {on_host!r}")
 
 
 def main() -> int:
