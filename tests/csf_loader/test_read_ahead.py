@@ -132,3 +132,13 @@ def test_the_loader_refuses_a_bad_setting_naming_it(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(ENV, "0")
     loader = CsfModelLoader(LoadConfig(load_format="csf"))
     assert loader.read_ahead is False and loader.decoder_for(nn.Linear(2, 2)).device == torch.device("cpu")
+
+
+def test_a_stream_that_cannot_start_fails_the_consumer_instead_of_hanging_it() -> None:
+    class Broken:
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            raise CsfLoadError("model.safetensors: unreadable header")
+
+    with pytest.raises(CsfLoadError, match=r"model\.safetensors: unreadable header"):
+        next(read_ahead(Broken()))
+    assert wait_for(no_worker)

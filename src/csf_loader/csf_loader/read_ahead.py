@@ -60,16 +60,16 @@ class _Ahead:
         self.error: BaseException | None = None
         self.stopping = False
         self.changed = threading.Condition()
-        self.produced = 0  # items the worker has taken from the stream (the tests read it)
         self.cuda: tuple[torch.device, torch.cuda.Stream] | None = None
 
     def work(self) -> None:
-        iterator: Iterator[tuple[str, torch.Tensor]] = iter(self.stream)
-        try:
+        iterator: Iterator[tuple[str, torch.Tensor]] | None = None
+        try:  # everything the worker does, so that whatever fails reaches the consumer instead of hanging it
             if self.cuda is not None:
                 device, stream = self.cuda
                 torch.cuda.set_device(device)
                 torch.cuda.set_stream(stream)
+            iterator = iter(self.stream)
             for item in iterator:
                 size = _tensor_bytes(item)
                 with self.changed:
@@ -83,13 +83,12 @@ class _Ahead:
                         break
                     self.items.append(item)
                     self.held += size
-                    self.produced += 1
                     self.changed.notify_all()
         except BaseException as exc:  # handed to the consumer, which raises it where it happened
             with self.changed:
                 self.error = exc
         finally:
-            close = getattr(iterator, "close", None)
+            close = getattr(iterator, "close", None) if iterator is not None else None
             if close is not None:
                 try:
                     close()  # a generator's finally blocks (files, windows) run on the thread that ran it
