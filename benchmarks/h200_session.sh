@@ -5,6 +5,10 @@
 # `export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 && bash
 # benchmarks/h200_session.sh b $OUT`, then `c`).
 #
+# The engines of bench_gpu.py, bench_tp.py, bench_mtp_trained.py and profile_gpu.py capture only the CUDA-graph
+# sizes they measure (2026-12-04: vLLM's 51-size grid took 62 s of a 190 s cold start); --capture-sizes vllm (in
+# BENCH_ARGS / MTP_ARGS) restores vLLM's grid.
+#
 #   a: GPU 1: the kernels' CUDA tests (qwen38 ops, FLASH_ATTN_V100 numerics) then bf16
 #      exactness; GPU 0: fp16 exactness (breakable and compiled CUDA graphs, eager); then TP=2.
 #   b: bench_gpu.py (medium config, fp16, vLLM on GPU 0 against the roofline, two stock models of the
@@ -64,7 +68,8 @@
 #   r: issue 16 on the machine's GPUs: bench_tp.py (Flash-Next's per-layer geometry at TP 1 / 2 / 4 as
 #      the GPUs allow, MTP 3, DCP 2's answer; on one H200, TP=1 only). Each finished run is kept, so a second
 #      call on the warm machine measures only what the first one's limit cut (2026-12-04, BUDGET=570 with the
-#      kit's install: the 16 GB checkpoint 188 s, TP=1 plain about 200 s, then the limit inside the MTP run).
+#      kit's install: the 16 GB checkpoint 188 s, TP=1 plain about 200 s, then the limit inside the MTP run;
+#      since 2026-12-05 the checkpoint's random weights are drawn on the GPU: --build-device cpu is the old way).
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP, and MTP
 #      with QWEN38_QSA_DRAFT_UPDATE=0 (each draft step's QSA metadata built on the host, one graph a step).
 #   l: after part k on the same machine: its trained settings (none, MTP, DFlash: accepted drafts) under the

@@ -3,6 +3,7 @@ roofline and against transformers, measured in one run.
 
     python benchmarks/qwen38_plugin/bench_gpu.py OUT_DIR [--config medium] [--dtype float16]
         [--batches 1,8,64,256] [--modes eager,graphs,peer] [--stock] [--work DIR]
+        [--capture-sizes measured|vllm]
 
 For each mode (``eager``: ``enforce_eager=True``; ``graphs``: vLLM's default for this
 architecture on CUDA, breakable CUDA graphs without torch.compile, in vLLM's default GPU model
@@ -39,6 +40,10 @@ every layer, the experts the batch touches in expectation, the shared experts; K
 small at these lengths and left out, which makes the roofline optimistic) over the device-to-device
 copy bandwidth measured in the same run (bytes read + written / time). Printed: tokens/s, the
 fraction of the roofline and the ratio to transformers. Results: OUT_DIR/bench_gpu.json and a table.
+
+Every engine with CUDA graphs (ours, the peers, stock's) captures the same sizes: by default only the
+shapes the run decodes (`capture_sizes`), which cuts a cold engine's graph capture (62 s of a 190 s
+start on the H200 with vLLM's 51-size grid) to the few graphs the measurement replays.
 """
 
 from __future__ import annotations
@@ -238,6 +243,31 @@ def _rates(batch: int, new_tokens: int, prefill_s: float, total_s: float, prompt
     }
 
 
+CAPTURE_SIZES_HELP = (
+    "CUDA-graph capture sizes: 'measured' (default) captures only the shapes the run decodes -- the batch sizes, "
+    "the powers of two below the largest (a batch that shrinks pads up to one) and, with speculation, each of "
+    "them times 1 + drafts -- plus --prompt-len (batch 1's prefill); 'vllm' keeps vLLM's default grid (about 50 "
+    "sizes up to 512 tokens, each captured for every graph mode, most of a cold engine's 60 s of capture)"
+)
+
+
+def capture_sizes(setting: str, batches: list[int], query_len: int = 1, prefill: int | None = None) -> list[int] | None:
+    """The ``cudagraph_capture_sizes`` for a benchmark engine, or None for vLLM's default grid.
+
+    The same sizes for our model and its peers, so neither waits in capture for shapes the run never
+    decodes; a step of a captured size replays the same graph as it would from vLLM's grid."""
+    if setting == "vllm":
+        return None
+    if setting != "measured":
+        raise ValueError(f"--capture-sizes {setting!r}: use 'measured' or 'vllm'")
+    largest = max(batches)
+    counts = {*batches, *(1 << i for i in range(largest.bit_length()) if 1 << i <= largest)}
+    sizes = {n * q for n in counts for q in {1, query_len}}
+    if prefill is not None:
+        sizes.add(prefill)
+    return sorted(sizes)
+
+
 def timed_greedy(llm: Any, inputs: list[Any], max_tokens: int) -> float:
     """Seconds for vLLM to decode ``inputs`` greedily, ``max_tokens`` each (EOS ignored)."""
     from vllm import SamplingParams
@@ -255,6 +285,10 @@ def child_vllm(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"enforce_eager": args.mode.startswith("eager")}  # else vLLM's default
     if args.mode.endswith("-noprefix"):
         kwargs["enable_prefix_caching"] = False
+    sizes = capture_sizes(args.capture_sizes, args.batches, prefill=args.prompt_len)
+    if sizes is not None and not kwargs["enforce_eager"]:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+        print(f"cudagraph_capture_sizes {sizes}", flush=True)
     if args.mode == "peer-hybrid" and importlib.util.find_spec("flashinfer") is None:
         # stock's GDN picks FlashInfer's prefill on Hopper; without it, its Triton prefill (as ours)
         kwargs["additional_config"] = {"gdn_prefill_backend": "triton"}
@@ -316,7 +350,8 @@ def start_child(kind: str, args: argparse.Namespace, extra_env: dict[str, str]) 
     """The child, its output streamed to OUT_DIR/child-<kind>-<mode>.log (kept if a limit stops it)."""
     cmd = [sys.executable, __file__, "--child", kind, "--model", args.model, "--dtype", args.dtype,
            "--batches", ",".join(map(str, args.batches)), "--mode", args.mode, "--repeats", str(args.repeats),
-           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "unused"]  # fmt: skip
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--capture-sizes", args.capture_sizes, "unused"]  # fmt: skip
     env = {**os.environ, **extra_env}
     log = args.out / f"child-{kind}-{args.mode if kind == 'vllm' else args.dtype}.log"
     with log.open("w") as f:
@@ -364,6 +399,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--stock", action="store_true")
+    parser.add_argument("--capture-sizes", default="measured", choices=("measured", "vllm"), help=CAPTURE_SIZES_HELP)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--timeout", type=int, default=420)
     parser.add_argument("--child")
@@ -386,7 +422,8 @@ def main() -> None:
     elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     bandwidth = copy_bandwidth()
     report: dict[str, Any] = {"config": args.config, "dtype": args.dtype, "copy_bandwidth_GBps": bandwidth / 1e9,
-                              "gpu": torch.cuda.get_device_name(), "results": {}}  # fmt: skip
+                              "gpu": torch.cuda.get_device_name(), "capture_sizes": args.capture_sizes,
+                              "results": {}}  # fmt: skip
     roof = {b: b / (decode_bytes(config, b, elem) / bandwidth) for b in args.batches}
     report["roofline_decode_tok_s"] = {str(b): r for b, r in roof.items()}
     modes = args.modes.split(",")

@@ -103,7 +103,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
 
 from batched_qsa_indexer import batched_qsa_indexer  # noqa: E402  (transformers' QSA indexer without its loop)
 from bench_cpu import CONFIGS  # noqa: E402  (the model geometries of the CPU and GPU benchmarks)
-from bench_gpu import finish_child, timed_greedy  # noqa: E402  (children's results; a timed greedy run)
+from bench_gpu import CAPTURE_SIZES_HELP, capture_sizes, finish_child, timed_greedy  # noqa: E402  (shared with bench_gpu)
 
 PROMPT_LEN = 16
 MTP = {"mtp_num_hidden_layers": 1}
@@ -338,6 +338,9 @@ def engine_kwargs(args: argparse.Namespace, drafts: int) -> dict[str, Any]:
     kwargs["enable_prefix_caching"] = False
     if not args.cpu:
         kwargs["gpu_memory_utilization"] = 0.5
+        sizes = capture_sizes(args.capture_sizes, args.batches, 1 + drafts)
+        if sizes is not None:
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
     if drafts and args.drafter:
         kwargs["speculative_config"] = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": drafts}
     elif drafts:
@@ -446,7 +449,8 @@ def run_child(kind: str, args: argparse.Namespace, model: Path, tag: str, timeou
     cmd = [sys.executable, __file__, str(args.out), "--child", kind, "--model", str(model), "--dtype", args.dtype,
            "--batches", ",".join(map(str, args.batches)), "--new-tokens", str(args.new_tokens),
            "--sequences", str(args.sequences), "--repeats", str(args.repeats),
-           "--min-sequences", str(args.min_sequences), "--drafts-one", str(extra.get("drafts", 0))]  # fmt: skip
+           "--min-sequences", str(args.min_sequences), "--drafts-one", str(extra.get("drafts", 0)),
+           "--capture-sizes", args.capture_sizes]  # fmt: skip
     if extra.get("drafter"):
         cmd += ["--drafter", str(extra["drafter"])]
     if args.cpu:
@@ -971,6 +975,7 @@ def main() -> None:
         default=8,
         help="each batch size serves at least this many sequences, in groups of the batch size one after another",
     )
+    parser.add_argument("--capture-sizes", default="measured", choices=("measured", "vllm"), help=CAPTURE_SIZES_HELP)
     parser.add_argument("--work", type=Path, default=Path("/tmp/qwen38_bench_mtp"))
     parser.add_argument("--timeout", type=int, default=600, help="seconds per vLLM child")
     parser.add_argument("--pretrain-steps", type=int, default=0, help="stage 0: train the target first (0: random)")

@@ -55,7 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
 
-from bench_gpu import finish_child, timed_greedy  # noqa: E402  (children's results; a timed greedy run)
+from bench_gpu import CAPTURE_SIZES_HELP, capture_sizes, finish_child, timed_greedy  # noqa: E402  (shared with bench_gpu)
 from footprint import FLASH_NEXT  # noqa: E402  (Flash-Next's inferred geometry)
 
 PROMPT_LENS = (1, 3, 29, 70, 45, 300, 259, 320)
@@ -84,7 +84,13 @@ def geometry(layers: int, ngram_base: int, dry_run: bool, shape: str = "scaled")
     return config
 
 
-def build(work: Path, layers: int, ngram_base: int, dtype: str, dry_run: bool, shape: str = "scaled") -> Path:
+def build(
+    work: Path, layers: int, ngram_base: int, dtype: str, dry_run: bool, shape: str = "scaled", device: str = "cpu"
+) -> Path:
+    """The checkpoint (built once per work directory). On a GPU its random weights are drawn there:
+    Flash-Next's widths took 188 s to draw on the H200 host's CPU (2026-12-04)."""
+    import torch
+
     from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
 
     config = geometry(layers, ngram_base, dry_run, shape)
@@ -92,8 +98,10 @@ def build(work: Path, layers: int, ngram_base: int, dtype: str, dry_run: bool, s
     path = work / f"flash-next-{layers}l-ngram{config['ngram_vocab_size_base']}-{dtype}{tag}"
     if not path.exists():
         started = time.perf_counter()
-        build_tiny_checkpoint(path, "qwen4_exp_text", overrides=config, dtype=dtype)
-        print(f"built {path.name} in {time.perf_counter() - started:.0f} s", flush=True)
+        build_tiny_checkpoint(path, "qwen4_exp_text", overrides=config, dtype=dtype, device=device)
+        print(f"built {path.name} on {device} in {time.perf_counter() - started:.0f} s", flush=True)
+        if device != "cpu":
+            torch.cuda.empty_cache()  # the vLLM children size their memory from what this process leaves free
     return path
 
 
@@ -120,6 +128,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["enable_prefix_caching"] = False  # vLLM's CPU runner, with speculation
     else:
         kwargs["gpu_memory_utilization"] = 0.85
+        sizes = capture_sizes(args.capture_sizes, [*args.batches, len(PROMPT_LENS)], 1 + args.mtp)
+        if sizes is not None:
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+            print(f"cudagraph_capture_sizes {sizes}", flush=True)
     if args.mtp:
         kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": args.mtp}
     if args.dcp:
@@ -160,7 +172,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 def run_child(args: argparse.Namespace, model: Path, tp: int, tag: str, mtp: int = 0, dcp: int = 0) -> dict[str, Any]:
     cmd = [sys.executable, __file__, str(args.out), "--child", "--model", str(model), "--dtype", args.dtype,
            "--tp-one", str(tp), "--batches", ",".join(map(str, args.batches)), "--mtp", str(mtp),
-           "--dcp", str(dcp)]  # fmt: skip
+           "--dcp", str(dcp), "--capture-sizes", args.capture_sizes]  # fmt: skip
     env = dict(os.environ)
     if args.cpu:
         cmd.append("--cpu")
@@ -289,6 +301,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/qwen38_bench_tp"))
     parser.add_argument("--timeout", type=int, default=900, help="seconds per vLLM child")
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--build-device", choices=("cpu", "cuda"), help="where the random weights are drawn "
+                        "(default: cuda where there is one)")  # fmt: skip
+    parser.add_argument("--capture-sizes", default="measured", choices=("measured", "vllm"), help=CAPTURE_SIZES_HELP)
     parser.add_argument("--geometry", choices=("scaled", "flash-next"), default="scaled",
                         help=f"--dry-run's model: scaled, or Flash-Next's own with {CPU_EXPERTS} experts")  # fmt: skip
     parser.add_argument("--summary", action="store_true", help="print OUT_DIR/bench_tp.json as a table, run nothing")
@@ -321,7 +336,8 @@ def main() -> None:
     available = max(int(t) for t in args.tps.split(",")) if args.cpu else torch.cuda.device_count()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    model = build(args.work, args.layers, args.ngram_base, args.dtype, args.dry_run, args.geometry)
+    build_device = args.build_device or ("cpu" if args.cpu else "cuda")
+    model = build(args.work, args.layers, args.ngram_base, args.dtype, args.dry_run, args.geometry, build_device)
     config = json.loads((model / "config.json").read_text())
     report: dict[str, Any] = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(), "gpus": available,
                               "model": model.name, "dtype": args.dtype, "runs": {}, "not_run": []}  # fmt: skip

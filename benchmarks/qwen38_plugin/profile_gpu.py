@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "qwen38_plugin"))
 
-from bench_gpu import _prompts, build_checkpoint  # noqa: E402
+from bench_gpu import CAPTURE_SIZES_HELP, _prompts, build_checkpoint, capture_sizes  # noqa: E402
 
 
 def speculative_engine(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--speculative", choices=["mtp", "dflash", "none"])
     parser.add_argument("--drafts", type=int, default=3)
     parser.add_argument("--work", type=Path)
+    parser.add_argument("--capture-sizes", default="measured", choices=("measured", "vllm"), help=CAPTURE_SIZES_HELP)
     parser.add_argument("--trained", type=Path, help="bench_mtp_trained.py's report: serve its trained setting")
     args = parser.parse_args()
     args.target = args.drafter = args.corpus = None
@@ -118,6 +119,10 @@ def main() -> None:
     label = args.speculative or "default"
     if args.speculative in ("mtp", "dflash"):
         label += str(args.drafts)
+    drafts = args.drafts if args.speculative in ("mtp", "dflash") else 0
+    sizes = None if args.enforce_eager else capture_sizes(args.capture_sizes, batches, 1 + drafts, args.prompt_len)
+    if sizes is not None:
+        extra["compilation_config"] = {"cudagraph_capture_sizes": sizes}
     llm = LLM(
         model=str(model), dtype=args.dtype, max_model_len=args.prompt_len + args.steps + 16, seed=0,
         max_num_seqs=max(batches), gpu_memory_utilization=0.5, enforce_eager=args.enforce_eager,
