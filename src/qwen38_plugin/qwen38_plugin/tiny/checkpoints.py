@@ -199,11 +199,11 @@ def _randomize_zero_initialised(model: torch.nn.Module, generator: torch.Generat
         for name, param in model.named_parameters():
             if param.is_floating_point() and not param.any():
                 scale = 0.1 if "norm" in name else 0.5
-                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+                param.copy_(torch.randn(param.shape, generator=generator, device=generator.device) * scale)
 
 
 def _add_mtp_weights(
-    path: Path, fields: dict[str, Any], dtype: torch.dtype, seed: int, text_prefix: str = "model."
+    path: Path, fields: dict[str, Any], dtype: torch.dtype, seed: int, text_prefix: str = "model.", device: str = "cpu"
 ) -> None:
     """Random ``mtp.*`` tensors (the multi-token-prediction head stock vLLM's `Qwen4ExpMTP` loads)
     for ``mtp_num_hidden_layers`` QSA decoder layers, named as the checkpoint's first
@@ -231,10 +231,10 @@ def _add_mtp_weights(
         for name, tensor in sorted(tensors.items()):
             if name.startswith(source):
                 shapes[f"mtp.layers.{n}.{name.removeprefix(source)}"] = tuple(tensor.shape)
-    generator = torch.Generator().manual_seed(seed + 1)
+    generator = torch.Generator(device).manual_seed(seed + 1)
     for name, shape in shapes.items():
         scale = 0.1 if "norm" in name or len(shape) == 1 else shape[-1] ** -0.5
-        tensors[name] = (torch.randn(shape, generator=generator) * scale).to(dtype)
+        tensors[name] = (torch.randn(shape, generator=generator, device=device) * scale).to(dtype).cpu()
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
@@ -266,11 +266,14 @@ def build_tiny_checkpoint(
     overrides: Mapping[str, Any] | None = None,
     dtype: str = "bfloat16",
     overwrite: bool = False,
+    device: str = "cpu",
 ) -> Path:
     """Write a tiny random checkpoint (weights, config, tokenizer, chat template) to `out_dir`.
 
     The directory appears complete or not at all: files are written to a sibling temporary
-    directory that is renamed into place.
+    directory that is renamed into place. ``device`` is where the random weights are drawn: a
+    benchmark's model of Flash-Next's widths (10 G parameters) takes minutes on a CPU and seconds on
+    a GPU; the same seed gives other values on another device.
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -283,8 +286,9 @@ def build_tiny_checkpoint(
     )
     fields = tiny_config_dict(model_type, overrides)
     torch.manual_seed(seed)
-    model = _build_model(model_type, fields)
-    _randomize_zero_initialised(model, torch.Generator().manual_seed(seed))
+    with torch.device(device):
+        model = _build_model(model_type, fields)
+    _randomize_zero_initialised(model, torch.Generator(device).manual_seed(seed))
     model.to(torch_dtype)  # type: ignore[arg-type]  # transformers wraps .to() with an imprecise signature
     model.config.dtype = dtype
 
@@ -294,7 +298,7 @@ def build_tiny_checkpoint(
         model.save_pretrained(staging, safe_serialization=True)
         if fields.get("mtp_num_hidden_layers"):
             assert isinstance(torch_dtype, torch.dtype)
-            _add_mtp_weights(staging / "model.safetensors", fields, torch_dtype, seed)
+            _add_mtp_weights(staging / "model.safetensors", fields, torch_dtype, seed, device=device)
         ids = special_token_ids()
         generation = {"eos_token_id": [ids[EOS_TOKEN], ids[PAD_TOKEN]], "pad_token_id": ids[PAD_TOKEN]}
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
