@@ -70,6 +70,8 @@
 #      call on the warm machine measures only what the first one's limit cut (2026-12-04, BUDGET=570 with the
 #      kit's install: the 16 GB checkpoint 188 s, TP=1 plain about 200 s, then the limit inside the MTP run;
 #      since 2026-12-05 the checkpoint's random weights are drawn on the GPU: --build-device cpu is the old way).
+#   n: after part r on the same machine: a decode step of its Flash-Next-width checkpoint under the profiler (TP=1,
+#      batch 1 and 64: profile_gpu.py --model).
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP, and MTP
 #      with QWEN38_QSA_DRAFT_UPDATE=0 (each draft step's QSA metadata built on the host, one graph a step).
 #   l: after part k on the same machine: its trained settings (none, MTP, DFlash: accepted drafts) under the
@@ -232,6 +234,20 @@ r)
     timeout $(lim 585) python3 benchmarks/qwen38_plugin/bench_tp.py "$res/tp" --tps 1,2,4 --mtp 3 --dcp 2 \
         --work $work/tp --timeout 420 >"$res/bench_tp.log" 2>&1
     tail -30 "$res/bench_tp.log"
+    ;;
+n)
+    # after part r on the same warm machine: a decode step of Flash-Next's widths under the profiler (TP=1, batch 1
+    # and 64, vLLM's defaults): at batch 1 the step took 4 ms, 13.5 % of the roofline (2026-12-04), and what fills it
+    # has not been seen
+    model=$(ls -d "$work"/tp/flash-next-4l-*-float16 2>/dev/null | head -1)
+    if [ -z "$model" ]; then
+        echo "part n: no Flash-Next-width checkpoint under $work/tp: run part r on this machine first"
+    else
+        CUDA_VISIBLE_DEVICES=0 timeout $(lim 400) python3 benchmarks/qwen38_plugin/profile_gpu.py "$res/profile-fn" \
+            --model "$model" --batches 1,64 >"$res/profile-fn.log" 2>&1
+        grep -E '^default batch' "$res/profile-fn.log" || tail -3 "$res/profile-fn.log"
+        head -45 "$res/profile-fn/profile-b1.txt" 2>/dev/null
+    fi
     ;;
 k)
     timeout $(lim 580) python3 benchmarks/qwen38_plugin/bench_mtp_trained.py "$res/mtp" --work $work/mtp \

@@ -1,7 +1,7 @@
 """Where a decode step of the portable Qwen4Exp goes inside vLLM on a GPU: wall time per step
 against the GPU's busy time per step, and the top kernels and host calls, from torch's profiler.
 
-    python benchmarks/qwen38_plugin/profile_gpu.py OUT_DIR [--config medium] [--batches 1,64]
+    python benchmarks/qwen38_plugin/profile_gpu.py OUT_DIR [--config medium | --model DIR] [--batches 1,64]
         [--enforce-eager | --compiled] [--speculative mtp|dflash|none [--drafts 3]] [--work DIR]
 
 Modes: vLLM's default for this architecture (breakable CUDA graphs, no torch.compile),
@@ -11,7 +11,10 @@ model runner. For each batch size: a warm-up, then ``--steps`` decode steps of `
 under the profiler. Printed (and written to OUT_DIR/profile-b<B>.txt): wall ms per decode step,
 GPU kernel ms per step (the sum of kernel times: if it is far below the wall time, the step is
 bound by the host), CUDA graph launches per step, and the top entries by self CUDA and self CPU
-time.
+time. ``--model DIR`` profiles a checkpoint built elsewhere instead of ``--config``'s, e.g. bench_tp.py's
+Flash-Next widths (part r of benchmarks/h200_session.sh builds it under /tmp/qwen38_bench_tp): there a
+decode step at batch 1 took 4 ms against a 13.5 % roofline fraction (2026-12-04), and what fills it has not
+been profiled.
 
 ``--speculative``: the same with speculative decoding (issue 12 item 6: a speculative step cost
 2.6x (DFlash) and 3.3x (MTP) a plain one at batch 1 on the H200): ``mtp`` (the checkpoint's random
@@ -57,7 +60,7 @@ def speculative_engine(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
 
     work = args.work or args.out
     # the medium geometry with an MTP head, or a trained one
-    model = args.target or build_mtp_checkpoint(work, args.config, args.dtype)
+    model = args.target or args.model or build_mtp_checkpoint(work, args.config, args.dtype)
     extra: dict[str, Any] = {"enable_prefix_caching": False}
     if args.speculative == "mtp":
         extra["speculative_config"] = {"method": "mtp", "num_speculative_tokens": args.drafts}
@@ -94,10 +97,15 @@ def main() -> None:
     parser.add_argument("--speculative", choices=["mtp", "dflash", "none"])
     parser.add_argument("--drafts", type=int, default=3)
     parser.add_argument("--work", type=Path)
+    parser.add_argument("--model", type=Path, help="a checkpoint directory to profile instead of --config's")
     parser.add_argument("--capture-sizes", default="measured", choices=("measured", "vllm"), help=CAPTURE_SIZES_HELP)
     parser.add_argument("--trained", type=Path, help="bench_mtp_trained.py's report: serve its trained setting")
     args = parser.parse_args()
     args.target = args.drafter = args.corpus = None
+    if args.trained and args.model:
+        parser.error("--model and --trained both name the target: give one")
+    if args.model and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there; give a checkpoint directory")
     if args.trained:
         trained_setting(parser, args)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -113,6 +121,8 @@ def main() -> None:
     extra: dict[str, Any] = {}
     if args.speculative:
         model, extra = speculative_engine(args)
+    elif args.model:
+        model = args.model
     else:
         model = build_checkpoint(args.work or args.out, args.config, args.dtype, stock_gate=False)
     batches = [int(b) for b in args.batches.split(",")]
@@ -197,9 +207,12 @@ def trained_setting(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def verify_steps(llm: Any) -> float:
-    """vLLM's count of verify steps summed over requests (spec-decode drafts), 0 without speculation."""
+    """vLLM's count of verify steps summed over requests (spec-decode drafts), 0 without speculation
+    (an engine without stats has no counters to read: vLLM asserts on them)."""
     from bench_mtp_trained import spec_counters
 
+    if not llm.llm_engine.log_stats:
+        return 0.0
     return float(spec_counters(llm).get("spec_decode_num_drafts", 0))
 
 
