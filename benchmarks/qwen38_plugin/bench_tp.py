@@ -22,11 +22,13 @@ run), one vLLM child (fp16, vLLM's defaults: V2 runner, CUDA graphs) serves:
   two runs, bench_gpu's method), from which the step time per batch follows.
 
 With ``--mtp K`` each TP size runs again with MTP (K drafts): tokens equal to that TP size without
-speculation, and the acceptance counters. ``--dcp 2`` starts each TP size >= 2 with
-``decode_context_parallel_size=2`` and records how startup answers (the portable model refuses it,
-naming the option). On a GPU, each decode speed is also set against bench_gpu's weight-read roofline
-for this geometry (the copy bandwidth measured in the same run; TP=n against n times TP=1's): issue
-10's measure at a real model's widths, where the medium config's steps are mostly fixed costs. Last,
+speculation, and the acceptance counters. ``--dcp 2`` runs each TP size >= 2 again with
+``decode_context_parallel_size=2`` (the QSA layers' K/V positions split over the ranks that share a
+KV head): tokens against TP=1's and decode speed where vLLM allows it (more TP ranks than KV heads:
+TP=4 for Flash-Next's 2), else how startup refuses it. On a GPU, each decode speed is also set
+against bench_gpu's weight-read roofline for this geometry (the copy bandwidth measured in the same
+run; TP=n against n times TP=1's): issue 10's measure at a real model's widths, where the medium
+config's steps are mostly fixed costs. Last,
 the all-reduce traffic a decode step needs at each batch size (two all-reduces of ``hidden_size``
 per token and layer, fp16) and its time on a V100 PCIe ring (the reference deployment's 4 x V100:
 ``--v100-link-gbs`` GB/s per direction, ring all-reduce moves 2 (n - 1) / n of the bytes), beside
@@ -390,7 +392,8 @@ def main() -> None:
                 spec["vs_plain"] = compare(spec["tokens"], plain)
         if args.dcp and tp >= args.dcp:
             dcp = measured(f"dcp{args.dcp}", f"tp{tp}-dcp{args.dcp}", dcp=args.dcp)
-            entry[f"dcp{args.dcp}"] = {k: v for k, v in dcp.items() if k in ("error", "root_cause", "vs_tp1")} or dcp
+            if "tokens" in dcp and reference is not None:
+                dcp["vs_tp1"] = compare(dcp["tokens"], reference)
         save()
         brief = {k: (v.get("vs_tp1"), v.get("decode_tok_s"), v.get("error")) for k, v in entry.items() if k == "plain"}
         print(f"TP={tp}: {json.dumps(brief)}", flush=True)

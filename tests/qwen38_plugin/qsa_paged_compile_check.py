@@ -87,6 +87,13 @@ def _compile_cases(
             {"RATIO": 4, "TOPK": topk, "HEADS_PER_KV": 12, "NUM_Q_HEADS": 24, "HEAD_DIM": 256, "BLOCK_SIZE": 64,
              "BLOCK_H": 16, "BLOCK_D": 256, "BLOCK_N": block_n, "NUM_SPLITS": splits, "FP32_DOT": dtype == "fp32"}, 4)
            for mode, topk, splits, block_n in (("sparse", 512, 1, wide), ("split", 512, 8, 32))},
+        # decode context parallelism 2 at TP 4 (the reference deployment): a rank's partials over its half of
+        # the keys for the 12 query heads its DCP group shares one KV head with
+        "sparse_attention_dcp": (
+            qsa_paged._sparse_attention_kernel, attention, ("scale_log2",),
+            {"RATIO": 4, "TOPK": 512, "HEADS_PER_KV": 12, "NUM_Q_HEADS": 12, "HEAD_DIM": 256, "BLOCK_SIZE": 64,
+             "BLOCK_H": 16, "BLOCK_D": 256, "BLOCK_N": 32, "NUM_SPLITS": 1, "FP32_DOT": dtype == "fp32",
+             "PARTIAL": 1, "DCP_WORLD": 2, "DCP_RANK": 1, "DCP_INTERLEAVE": 1}, 4),
         **{f"step_metadata_{kind.name.lower()}": (
             qsa_step_metadata._step_metadata_kernel,
             {"qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "table_ptr": "*i32", "slot_mapping_ptr": "*i64",
@@ -104,9 +111,13 @@ EVERY_KERNEL = ["write_kv", "write_rows", "group_keys", "index_scores", "select_
 # the step-metadata kernel has integer arguments only: one compile per cache kind and target
 STEP_METADATA = [f"step_metadata_{kind.name.lower()}" for kind in qsa_step_metadata.CacheKind]
 COMPILES = [
-    (70, "fp16", EVERY_KERNEL + STEP_METADATA),
+    (70, "fp16", [*EVERY_KERNEL, "sparse_attention_dcp", *STEP_METADATA]),
     (70, "fp32", ["sparse_attention_split"]),
-    (90, "bf16", [*EVERY_KERNEL[:4], "select_groups_chunked", *EVERY_KERNEL[5:], *STEP_METADATA]),
+    (
+        90,
+        "bf16",
+        [*EVERY_KERNEL[:4], "select_groups_chunked", *EVERY_KERNEL[5:], "sparse_attention_dcp", *STEP_METADATA],
+    ),
     (90, "fp16", ["index_scores"]),
 ]
 SHARED_LIMIT = {70: 96 << 10, 90: 227 << 10}

@@ -209,6 +209,9 @@ def check_index_topk() -> str:
     return f"{cases} cases"
 
 
+ATTENTION_REQUESTS, ATTENTION_MAX_LEN = 3, 80
+
+
 def attention_case(
     tokens: int,
     heads: int,
@@ -222,7 +225,7 @@ def attention_case(
 ) -> dict[str, object]:
     """Random paged K/V (every row of every request written), queries at random positions with a
     random valid selection (sorted groups, -1 past the complete ones), two padding tokens."""
-    requests, max_len = 3, 80
+    requests, max_len = ATTENTION_REQUESTS, ATTENTION_MAX_LEN
     per_request = -(-max_len // block_size)
     cache, _ = strided_cache(1 + requests * per_request, (kv_heads, block_size, 2 * dim), dtype)
     table = (1 + torch.randperm(requests * per_request, generator=GEN)).view(requests, per_request).to(DEVICE)
@@ -286,6 +289,78 @@ def check_attention(splits: list[int], which: list[int] | None = None) -> str:
     return f"{cases} cases, worst rel err fp32 {worst[torch.float32]:.2e}, fp16 {worst[torch.float16]:.2e}"
 
 
+def dcp_shares(case: dict[str, object], world: int, interleave: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``case``'s K/V as a decode-context-parallel group of ``world`` ranks holds it (vLLM's slot
+    mapping: `qsa_paged.DcpShard`): each rank's NaN-poisoned cache with its share of every
+    request's positions, and the block table of entries spanning ``BS * world`` positions."""
+    cache, table = case["kv_cache"], case["kv_block_table"]
+    assert isinstance(cache, torch.Tensor) and isinstance(table, torch.Tensor)
+    block_size = cache.shape[2]
+    span = block_size * world
+    per_request = -(-ATTENTION_MAX_LEN // span)
+    virtual = (1 + torch.randperm(ATTENTION_REQUESTS * per_request, generator=GEN)).view(ATTENTION_REQUESTS, -1)
+    pos = torch.arange(ATTENTION_MAX_LEN)
+    offset = pos % span
+    owner = (offset // interleave) % world
+    row = offset // (world * interleave) * interleave + offset % interleave
+    shares = []
+    for rank in range(world):
+        share, _ = strided_cache(1 + virtual.numel(), tuple(cache.shape[1:]), cache.dtype)
+        mine = pos[owner == rank]
+        for r in range(ATTENTION_REQUESTS):
+            source = cache[table[r, mine // block_size].long(), :, (mine % block_size).to(DEVICE)]
+            share[virtual[r, mine // span].to(DEVICE), :, row[owner == rank].to(DEVICE)] = source
+        shares.append(share)
+    return shares, virtual.int().to(DEVICE)
+
+
+def check_dcp_attention() -> str:
+    """Decode context parallelism: each rank's partials over its share of the keys (the group's
+    query heads; torch, and Triton in one and three splits), merged with `merge_partials`, give
+    the attention of the whole cache (`sparse_attention_torch`); a token whose keys all sit on
+    other ranks gives empty partials."""
+    cases, worst = 0, 0.0
+    for index in (0, 1, 3, 4):  # sparse, head group of 3, 16 heads per KV head, dense
+        for world, interleave in ((2, 1), (4, 1), (2, 2)):  # vLLM: the block size a multiple of the interleave
+            shape = [(6, 4, 2, 16, 4, 3, 8, False), (5, 6, 2, 24, 3, 4, 6, False), (), (5, 16, 1, 16, 4, 2, 16, False),
+                     (4, 4, 2, 16, 4, 3, 8, True)][index]  # fmt: skip
+            tokens, heads, kv_heads, dim, ratio, topk, block_size, dense = shape
+            case = attention_case(tokens, heads, kv_heads, dim, ratio, topk, block_size, torch.float32, dense)
+            kwargs = {"ratio": ratio, "scale": dim**-0.5}
+            want = qsa_paged.sparse_attention_torch(*case.values(), **kwargs)  # type: ignore[arg-type]
+            shares, table = dcp_shares(case, world, interleave)
+            q, gate = case["q"], case["gate"]
+            assert isinstance(q, torch.Tensor) and isinstance(gate, torch.Tensor)
+            rest = (table, case["token_req"], case["positions"], case["selected"])
+            for backend, splits in (("torch", None), ("triton", 1), ("triton", 3)):
+                parts = []
+                for rank, share in enumerate(shares):
+                    shard = qsa_paged.DcpShard(world, rank, interleave)
+                    if backend == "torch":
+                        parts.append(qsa_paged.sparse_attention_partials_torch(q, share, *rest, **kwargs, shard=shard))  # type: ignore[arg-type]
+                    else:
+                        parts.append(qsa_paged.sparse_attention_partials_triton(
+                            q, share, *rest, **kwargs, shard=shard, num_splits=splits, block_n=16,  # type: ignore[arg-type]
+                        ))  # fmt: skip
+                acc = torch.cat([a for a, _ in parts])
+                ml = torch.cat([m for _, m in parts])
+                out = torch.full_like(want, float("nan"))
+                qsa_paged.merge_partials(acc, ml, gate, out)
+                assert not out.isnan().any(), f"dcp attention: NaN outputs ({backend}, world {world})"
+                err = rel(out[:-2], want[:-2])
+                assert err < 1e-5, f"dcp attention rel err {err:.3g} (case {index}, world {world}, {backend} {splits})"
+                worst = max(worst, err)
+                cases += 1
+    # a share without any of a token's keys: the merge weighs it 0
+    acc = torch.zeros(2, 1, 1, 4, device=DEVICE)
+    ml = torch.tensor([[[[qsa_paged.NO_KEYS_MAX, 0.0]]], [[[0.5, 2.0]]]], device=DEVICE)
+    acc[1] = 2.0
+    out = torch.empty(1, 4, device=DEVICE)
+    qsa_paged.merge_partials(acc, ml, torch.full((1, 4), 50.0, device=DEVICE), out)
+    assert torch.allclose(out, torch.ones(1, 4, device=DEVICE)), f"empty share weighed: {out}"
+    return f"{cases} cases, worst rel err {worst:.2e}"
+
+
 def check_step_metadata() -> str:
     """A QSA group's per-step metadata: the one-launch kernel against the builder's torch ops,
     every buffer compared whole (rows past the step included), for each cache kind."""
@@ -342,6 +417,7 @@ CHECKS: dict[str, Callable[[], str]] = {
     "index_topk": check_index_topk,
     "sparse_attention": lambda: check_attention([1]),
     "merge_splits": lambda: check_attention([3], which=[0, 1, 4, 5]),
+    "dcp_attention": check_dcp_attention,
     "step_metadata": check_step_metadata,
     "imports_without_vllm": check_imports_without_vllm,
 }

@@ -303,6 +303,7 @@ KERNEL_CHECKS = [
     "index_topk",
     "sparse_attention",
     "merge_splits",
+    "dcp_attention",
     "step_metadata",
     "imports_without_vllm",
 ]

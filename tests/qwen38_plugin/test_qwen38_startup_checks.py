@@ -64,12 +64,21 @@ def test_refuses_a_rope_type_it_does_not_implement(checkpoint: Path, tmp_path: P
         check_vllm_config(_engine_config(model, dtype="float32"))
 
 
-def test_refuses_decode_context_parallelism_naming_the_option(checkpoint: Path) -> None:
+def test_decode_context_parallelism_is_accepted_but_not_beside_speculation(
+    checkpoint: Path, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    # DCP splits the QSA layers' K/V (test_qwen38_tp_engine.py serves it); the draft layers' attention does not
+    # split theirs, so speculation beside it is refused naming both options. One KV head: vLLM wants more
+    # tensor-parallel ranks than KV heads for DCP.
     from qwen38_plugin.model import ConfigError
     from qwen38_plugin.vllm_model import check_vllm_config
 
-    config = _engine_config(checkpoint, dtype="float32", tensor_parallel_size=4, decode_context_parallel_size=2)
-    with pytest.raises(ConfigError, match=r"--decode-context-parallel-size 2: .* leave it at 1"):
+    one_kv_head = {"num_key_value_heads": 1}
+    dcp = {"dtype": "float32", "tensor_parallel_size": 2, "decode_context_parallel_size": 2}
+    check_vllm_config(_engine_config(tiny_checkpoint("qwen4_exp_text", overrides=one_kv_head, dtype="float32"), **dcp))
+    mtp = tiny_checkpoint("qwen4_exp_text", overrides={**one_kv_head, "mtp_num_hidden_layers": 1}, dtype="float32")
+    config = _engine_config(mtp, **dcp, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ConfigError, match=r"--decode-context-parallel-size 2 with --speculative-config: .* drop one"):
         check_vllm_config(config)
 
 

@@ -111,6 +111,25 @@ def test_tp2_with_a_replicated_kv_head_equals_transformers(
     assert run["tokens"] == reference_greedy(model, prompts, torch.float32)
 
 
+def test_decode_context_parallel_2_at_tp2_equals_transformers(
+    tiny_checkpoint: Callable[..., Path], prompts: list[list[int]]
+) -> None:
+    # The replicated KV head of the test above, its positions split over the two ranks
+    # (`--decode-context-parallel-size 2`, as the reference deployment's TP4 / DCP2 splits Flash-Next's
+    # two KV heads): each rank writes and reads half of every request's K/V, in runs of 2 positions.
+    model = tiny_checkpoint("qwen4_exp_text", overrides={"num_key_value_heads": 1}, dtype="float32")
+    proc = start_engine(
+        model, 2, prompts, num_gpu_blocks_override=None, solo=False, decode_context_parallel_size=2,
+        cp_kv_cache_interleave_size=2,
+    )  # fmt: skip
+    run = engine_result(proc)
+    assert run["tokens"] == reference_greedy(model, prompts, torch.float32)
+    # both ranks split the positions (stock's CPU slot mapping would have refused)
+    log = proc.stdout + proc.stderr
+    installed = "decode context parallelism on CPU: the K/V slot mapping splits positions over ranks"
+    assert log.count(installed) == 2, log[-3000:]
+
+
 def test_geometry_that_cannot_split_fails_at_startup_naming_the_head_count(
     tiny_checkpoint: Callable[..., Path],
 ) -> None:

@@ -107,11 +107,18 @@ def check_vllm_config(vllm_config: VllmConfig, on_cuda: bool | None = None) -> N
             f"rope_parameters.rope_type: {rope_type!r} is not implemented by the portable Qwen4Exp model (it would "
             "run with unscaled RoPE); serve a checkpoint with the default RoPE"
         )
-    dcp = vllm_config.parallel_config.decode_context_parallel_size
-    if dcp > 1:
+    parallel = vllm_config.parallel_config
+    dcp = parallel.decode_context_parallel_size
+    if dcp > 1 and vllm_config.speculative_config is not None:
+        # The QSA layers split their K/V over the DCP group; the draft layers' attention does not yet.
         raise ConfigError(
-            f"--decode-context-parallel-size {dcp}: the portable Qwen4Exp model does not support decode context "
-            "parallelism yet; leave it at 1"
+            f"--decode-context-parallel-size {dcp} with --speculative-config: the portable Qwen4Exp model's draft "
+            "layers do not split their K/V over decode-context-parallel ranks yet; drop one of the two"
+        )
+    if parallel.prefill_context_parallel_size > 1:
+        raise ConfigError(
+            f"--prefill-context-parallel-size {parallel.prefill_context_parallel_size}: the portable Qwen4Exp model "
+            "does not support prefill context parallelism; leave it at 1"
         )
     check_config(config)
     check_tensor_parallel(config, vllm_config.parallel_config.tensor_parallel_size, split_vocabulary=False)

@@ -135,6 +135,28 @@ class QSAIndexer(nn.Module):
         self.k_layernorm = GemmaNorm(self.head_dim, config.rms_norm_eps)
 
 
+def decode_context_shard(vllm_config: VllmConfig, num_kv_heads: int) -> qsa_paged.DcpShard | None:
+    """This rank's share of the K/V positions under decode context parallelism (None without it).
+    vLLM only allows it with more tensor-parallel ranks than KV heads, so each rank holds one KV
+    head and its DCP group is the ranks that replicate it."""
+    parallel = vllm_config.parallel_config
+    world = parallel.decode_context_parallel_size
+    if world == 1:
+        return None
+    if num_kv_heads != 1:
+        raise ValueError(
+            f"--decode-context-parallel-size {world}: each rank holds {num_kv_heads} KV heads of the QSA layers; "
+            "decode context parallelism needs one (more tensor-parallel ranks than KV heads)"
+        )
+    from vllm.distributed.parallel_state import get_dcp_group
+
+    from qwen38_plugin import cpu_context_parallel
+
+    cpu_context_parallel.install()  # vLLM's CPU slot mapping cannot split positions over ranks; this one can
+    group = get_dcp_group()
+    return qsa_paged.DcpShard(group.world_size, group.rank_in_group, parallel.cp_kv_cache_interleave_size)
+
+
 StepTensors = tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor,
     torch.Tensor,
@@ -202,6 +224,7 @@ class PortableQSAAttention(nn.Module):
         qsa_paged.prepare(
             rotary.cos.device, rope_theta=config.rope_parameters["rope_theta"], rotary_dim=rotary.rotary_dim
         )
+        self.dcp = decode_context_shard(vllm_config, self.num_kv_heads)
         # Not a submodule: it carries no weights; vLLM binds its caches through the forward context.
         self._cache = (self.make_cache(vllm_config, f"{prefix}.kv"),)
         # The custom op finds this layer (and through it the caches) by name.
@@ -298,10 +321,40 @@ class PortableQSAAttention(nn.Module):
                 index_q, cache.block_keys.kv_cache, keys_meta.block_table, meta.token_req, positions,
                 ratio=self.ratio, topk=self.topk, max_groups=self.max_groups,
             )  # fmt: skip
+        if self.dcp is not None:
+            self._attend_decode_context_parallel(q, gate, cache.kv_cache, meta, positions, selected, out)
+            return
         qsa_paged.sparse_attention(
             q, gate, cache.kv_cache, meta.block_table, meta.token_req, positions, selected,
             ratio=self.ratio, scale=self.scale, out=out,
         )  # fmt: skip
+
+    def _attend_decode_context_parallel(
+        self,
+        q: torch.Tensor,
+        gate: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: QSAMetadata,
+        positions: torch.Tensor,
+        selected: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention when decode context parallelism splits each request's K/V positions over the
+        ranks that share this rank's KV head (vLLM's DCP group; the indexer, its keys and so the
+        selection are the same on every rank): every rank scores the group's query heads against
+        the positions it holds, the partials are gathered, and each rank merges its own heads."""
+        from vllm.distributed.parallel_state import get_dcp_group
+
+        assert self.dcp is not None
+        group = get_dcp_group()
+        q_group = group.all_gather(q.contiguous(), dim=1)  # [T, world * Hq, D], rank by rank
+        acc, ml = qsa_paged.sparse_attention_partials(
+            q_group, kv_cache, meta.block_table, meta.token_req, positions, selected,
+            ratio=self.ratio, scale=self.scale, shard=self.dcp,
+        )  # fmt: skip
+        acc, ml = group.all_gather(acc, dim=0), group.all_gather(ml, dim=0)  # [world * S, T, world * Hq, ...]
+        mine = slice(self.dcp.rank * self.num_heads, (self.dcp.rank + 1) * self.num_heads)
+        qsa_paged.merge_partials(acc[:, :, mine], ml[:, :, mine], gate, out)
 
     def _group_start_rope_positions(
         self, rope_positions: torch.Tensor, positions: torch.Tensor, meta: QSAMetadata, ring_block: torch.Tensor

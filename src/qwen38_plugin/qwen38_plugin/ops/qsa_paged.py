@@ -94,6 +94,32 @@ def _lookup(table: torch.Tensor, req: torch.Tensor, logical: torch.Tensor) -> to
     return table[req, logical.clamp(0, table.shape[1] - 1)].long()
 
 
+class DcpShard(NamedTuple):
+    """One rank's share of a K/V cache split by decode context parallelism, in vLLM's layout: a
+    block-table entry spans ``BS * world`` positions, position p of it (offset ``o = p % (BS *
+    world)``) lives on rank ``(o // interleave) % world``, at row ``o // (world * interleave) *
+    interleave + o % interleave`` of that rank's block (vLLM's slot mapping writes it there)."""
+
+    world: int
+    rank: int
+    interleave: int = 1
+
+
+def kv_rows(
+    key_pos: torch.Tensor, table: torch.Tensor, req: torch.Tensor, block_size: int, shard: DcpShard | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Where K/V position ``key_pos`` of request row ``req`` lies: (block, row, on this rank),
+    int64 / int64 / bool (None: every position is, without decode context parallelism)."""
+    pos = key_pos.long().clamp(min=0)
+    if shard is None or shard.world == 1:
+        return _lookup(table, req, pos // block_size), pos % block_size, None
+    span = block_size * shard.world
+    offset = pos % span
+    local = (offset // shard.interleave) % shard.world == shard.rank
+    row = offset // (shard.world * shard.interleave) * shard.interleave + offset % shard.interleave
+    return _lookup(table, req, pos // span), row, local
+
+
 def slot_mappings(
     token_req: torch.Tensor,
     positions: torch.Tensor,
@@ -526,7 +552,13 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         FP32_DOT: tl.constexpr,
+        PARTIAL: tl.constexpr = 0,
+        DCP_WORLD: tl.constexpr = 1,
+        DCP_RANK: tl.constexpr = 0,
+        DCP_INTERLEAVE: tl.constexpr = 1,
     ):
+        # PARTIAL: store the unnormalised partials even with one split (`sparse_attention_partials`);
+        # DCP_*: the cache holds this rank's share of the positions only (`DcpShard`), the others masked.
         # One program per (token, KV head, split): the query heads of that KV head (padded to
         # BLOCK_H >= 16 rows for tl.dot) against a contiguous share of the token's key list.
         # The key list of a token at p: with TOPK > 0, slot j < n_sel * RATIO is position
@@ -580,14 +612,16 @@ if HAVE_TRITON:
             else:
                 key_pos = j
             ok = ok & (key_pos >= 0) & (key_pos <= position)
-            logical = tl.minimum(tl.maximum(key_pos, 0) // BLOCK_SIZE, table_width - 1)
+            if DCP_WORLD > 1:
+                offset = tl.maximum(key_pos, 0) % (BLOCK_SIZE * DCP_WORLD)
+                ok = ok & ((offset // DCP_INTERLEAVE) % DCP_WORLD == DCP_RANK)
+                logical = tl.minimum(tl.maximum(key_pos, 0) // (BLOCK_SIZE * DCP_WORLD), table_width - 1)
+                row_index = offset // (DCP_WORLD * DCP_INTERLEAVE) * DCP_INTERLEAVE + offset % DCP_INTERLEAVE
+            else:
+                logical = tl.minimum(tl.maximum(key_pos, 0) // BLOCK_SIZE, table_width - 1)
+                row_index = key_pos % BLOCK_SIZE
             block = tl.load(table_row + logical * stride_table_block, mask=ok, other=0).to(tl.int64)
-            row = (
-                kv_ptr
-                + block * stride_cache_block
-                + kv_head * stride_cache_head
-                + (key_pos % BLOCK_SIZE) * stride_cache_row
-            )
+            row = kv_ptr + block * stride_cache_block + kv_head * stride_cache_head + row_index * stride_cache_row
             row_ok = ok[:, None] & dims_ok[None, :]
             k = tl.load(row[:, None] + dims[None, :] * stride_cache_feature, mask=row_ok, other=0.0)
             v = tl.load(row[:, None] + (HEAD_DIM + dims)[None, :] * stride_cache_feature, mask=row_ok, other=0.0)
@@ -603,7 +637,7 @@ if HAVE_TRITON:
                 # Half-precision probabilities into the tensor-core product, as flash attention does.
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        if NUM_SPLITS == 1:
+        if NUM_SPLITS == 1 and PARTIAL == 0:
             _gated_output(
                 acc, normalizer, gate_ptr + token * stride_gate_token, out_ptr + token * stride_out_token, heads_ok,
                 head_index, dims, HEAD_DIM,
@@ -1135,11 +1169,36 @@ def sparse_attention_torch(
     """Reference of `sparse_attention`: gathers each token's keys (`key_positions`) in chunks of
     tokens. Dense (``selected=None``) reads the longest position back to size its gather (a sync)."""
     tokens, heads, dim = q.shape
-    kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     if out is None:
         out = torch.empty(tokens, heads * dim, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
+    for begin, end, qg, k, v, valid in _gathered_keys(q, kv_cache, kv_block_table, token_req, positions, selected,
+                                                        ratio=ratio, shard=None):  # fmt: skip
+        scores = torch.einsum("ckgd,clkd->ckgl", qg, k) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
+        probs = torch.softmax(scores, dim=-1).masked_fill(~valid[:, None, None, :], 0.0)  # no NaN rows
+        attended = torch.einsum("ckgl,clkd->ckgd", probs, v).to(q.dtype).flatten(1)
+        out[begin:end] = attended * torch.sigmoid(gate[begin:end])
+    return out
+
+
+def _gathered_keys(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    selected: torch.Tensor | None,
+    *,
+    ratio: int,
+    shard: DcpShard | None,
+) -> Any:
+    """The torch references' key gather, in chunks of tokens: (begin, end, q ``[C, Hkv, G, D]``,
+    K and V ``[C, L, Hkv, D]`` fp32, valid ``[C, L]``: the token's keys that this rank holds).
+    Dense (``selected=None``) reads the longest position back to size the gather (a sync)."""
+    tokens, heads, dim = q.shape
+    kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     width = int(positions.max()) + 1 if selected is None else (selected.shape[1] + 1) * ratio
     step = _rows(tokens, width * kv_heads * 2 * dim * (kv_cache.element_size() + 4), REFERENCE_GATHER_BYTES)
     for begin in range(0, tokens, step):
@@ -1148,16 +1207,64 @@ def sparse_attention_torch(
         key_pos, valid = key_positions(
             positions[begin:end], req, None if selected is None else selected[begin:end], ratio=ratio, width=width
         )
-        blocks = _lookup(kv_block_table, req.long().clamp(min=0)[:, None], key_pos.clamp(min=0) // block_size)
-        kv = kv_cache[blocks, :, key_pos.clamp(min=0) % block_size].float()  # [C, L, Hkv, 2D]
+        blocks, rows, local = kv_rows(key_pos, kv_block_table, req.long().clamp(min=0)[:, None], block_size, shard)
+        if local is not None:
+            valid = valid & local
+        kv = kv_cache[blocks, :, rows].float()  # [C, L, Hkv, 2D]
         kv = kv.masked_fill(~valid[..., None, None], 0.0)  # unwritten rows may hold NaN
-        k, v = kv[..., :dim], kv[..., dim:]
         qg = q[begin:end].float().unflatten(1, (kv_heads, heads // kv_heads))  # [C, Hkv, G, D]
-        scores = torch.einsum("ckgd,clkd->ckgl", qg, k) * scale
+        yield begin, end, qg, kv[..., :dim], kv[..., dim:], valid
+
+
+# The floor of a partial's running maximum (log2 domain) where it saw no key, as the kernel keeps it.
+NO_KEYS_MAX = -1.0e30
+
+
+def sparse_attention_partials_torch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    selected: torch.Tensor | None,
+    *,
+    ratio: int,
+    scale: float,
+    shard: DcpShard | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `sparse_attention_partials`."""
+    tokens, heads, dim = q.shape
+    acc = torch.zeros(1, tokens, heads, dim, dtype=torch.float32, device=q.device)
+    ml = torch.zeros(1, tokens, heads, 2, dtype=torch.float32, device=q.device)
+    ml[..., 0] = NO_KEYS_MAX
+    if tokens == 0:
+        return acc, ml
+    for begin, end, qg, k, v, valid in _gathered_keys(q, kv_cache, kv_block_table, token_req, positions, selected,
+                                                        ratio=ratio, shard=shard):  # fmt: skip
+        scores = torch.einsum("ckgd,clkd->ckgl", qg, k) * (scale * math.log2(math.e))
         scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
-        probs = torch.softmax(scores, dim=-1).masked_fill(~valid[:, None, None, :], 0.0)  # no NaN rows
-        attended = torch.einsum("ckgl,clkd->ckgd", probs, v).to(q.dtype).flatten(1)
-        out[begin:end] = attended * torch.sigmoid(gate[begin:end])
+        top = scores.amax(dim=-1).clamp(min=NO_KEYS_MAX)  # [C, Hkv, G]
+        weights = torch.exp2(scores - top[..., None])  # masked keys: exactly 0
+        acc[0, begin:end] = torch.einsum("ckgl,clkd->ckgd", weights, v).flatten(1, 2)
+        ml[0, begin:end, :, 0] = top.flatten(1)
+        ml[0, begin:end, :, 1] = weights.sum(dim=-1).flatten(1)
+    return acc, ml
+
+
+def merge_partials(acc: torch.Tensor, ml: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The gated attention output ``out [T, H * D]`` from partials over disjoint shares of each
+    token's keys (`sparse_attention_partials`: ``acc [S, T, H, D]`` unnormalised, ``ml [S, T, H, 2]``
+    each share's log2-domain maximum and sum): rescaled to the common maximum and summed, divided,
+    rounded to ``out``'s dtype and times ``sigmoid(gate)`` rounded likewise, as the kernel's merge.
+    A token no share saw (padding) gets zeros."""
+    tokens, heads, dim = acc.shape[1:]
+    top = ml[..., 0].amax(dim=0)  # [T, H]
+    weight = torch.exp2(ml[..., 0] - top)  # [S, T, H]
+    merged = (acc * weight[..., None]).sum(dim=0)
+    total = (ml[..., 1] * weight).sum(dim=0).clamp(min=1e-30)
+    attended = (merged / total[..., None]).to(out.dtype).float()
+    sigmoid = torch.sigmoid(gate.float().reshape(tokens, heads, dim)).to(out.dtype).float()
+    out.copy_((attended * sigmoid).to(out.dtype).flatten(1))
     return out
 
 
@@ -1242,6 +1349,83 @@ def sparse_attention_triton(
     return out
 
 
+def sparse_attention_partials_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    selected: torch.Tensor | None,
+    *,
+    ratio: int,
+    scale: float,
+    shard: DcpShard | None = None,
+    num_splits: int | None = None,
+    block_n: int = 32,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_attention_partials` through `_sparse_attention_kernel` (its split partials kept)."""
+    tokens, heads, dim = q.shape
+    kv_heads = kv_cache.shape[1]
+    topk = 0 if selected is None else selected.shape[1]
+    if num_splits is None:
+        max_keys = None if selected is None else (topk + 1) * ratio
+        num_splits = attention_splits(tokens, kv_heads, max_keys, q.device, block_n)
+    acc = torch.empty(num_splits, tokens, heads, dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(num_splits, tokens, heads, 2, dtype=torch.float32, device=q.device)
+    if tokens == 0:
+        return acc, ml
+    shard = shard or DcpShard(1, 0)
+    sel = token_req if selected is None else selected.contiguous()
+    _sparse_attention_kernel[(tokens, kv_heads, num_splits)](
+        q, q, kv_cache, kv_block_table, token_req.contiguous(), positions.contiguous(), sel, q, acc, ml,
+        *q.stride(), 0, *kv_cache.stride(), *kv_block_table.stride(),
+        0 if selected is None else sel.stride(0), 0, tokens, kv_block_table.shape[1], scale * math.log2(math.e),
+        RATIO=ratio, TOPK=topk, HEADS_PER_KV=heads // kv_heads, NUM_Q_HEADS=heads, HEAD_DIM=dim,
+        BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=_block(heads // kv_heads), BLOCK_D=_block(dim), BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, FP32_DOT=q.dtype == torch.float32, PARTIAL=1, DCP_WORLD=shard.world,
+        DCP_RANK=shard.rank, DCP_INTERLEAVE=shard.interleave, num_warps=num_warps,
+        **({"num_stages": 1} if num_splits > 1 else {}),
+    )  # fmt: skip
+    return acc, ml
+
+
+def sparse_attention_partials(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_block_table: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    selected: torch.Tensor | None,
+    *,
+    ratio: int,
+    scale: float,
+    shard: DcpShard | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_attention` before its normalisation and gate, over the keys this rank holds: with
+    decode context parallelism (``shard``) each rank of a group holds a share of every request's
+    K/V positions; its partials over the group's query heads, gathered from every rank, give the
+    attention through `merge_partials`. Returns ``acc [S, T, Hq, D]`` (unnormalised, fp32) and
+    ``ml [S, T, Hq, 2]`` (the log2-domain maximum of each share's scores, `NO_KEYS_MAX` where it
+    saw none, and the sum of their exp2 below it), S >= 1 shares of each token's keys (the
+    kernel's splits). Arguments as `sparse_attention`'s."""
+    _, heads, dim = q.shape
+    kv_heads = kv_cache.shape[1]
+    if kv_cache.shape[3] != 2 * dim or heads % kv_heads or q.dtype != kv_cache.dtype:
+        raise ValueError(
+            f"sparse_attention_partials: q {tuple(q.shape)} {q.dtype} and cache {tuple(kv_cache.shape)} "
+            f"{kv_cache.dtype} do not fit (Hq a multiple of Hkv, cache [NB, Hkv, BS, 2 * D], one dtype)"
+        )
+    if shard is not None and not (shard.world >= 1 and 0 <= shard.rank < shard.world and shard.interleave >= 1):
+        raise ValueError(f"sparse_attention_partials: {shard} is not a rank of a decode-context-parallel group")
+    fn: Any = sparse_attention_partials_triton if use_triton(q, backend) else sparse_attention_partials_torch
+    result: tuple[torch.Tensor, torch.Tensor] = fn(
+        q, kv_cache, kv_block_table, token_req, positions, selected, ratio=ratio, scale=scale, shard=shard
+    )
+    return result
+
+
 def sparse_attention(
     q: torch.Tensor,
     gate: torch.Tensor,
@@ -1297,7 +1481,9 @@ def sparse_attention(
 
 __all__ = [
     "HAVE_TRITON",
+    "NO_KEYS_MAX",
     "REFERENCE_ENV",
+    "DcpShard",
     "SlotMappings",
     "attention_splits",
     "group_keys",
@@ -1306,11 +1492,16 @@ __all__ = [
     "index_topk",
     "key_positions",
     "key_slots",
+    "kv_rows",
     "kv_slots",
+    "merge_partials",
     "prepare",
     "ring_slots",
     "slot_mappings",
     "sparse_attention",
+    "sparse_attention_partials",
+    "sparse_attention_partials_torch",
+    "sparse_attention_partials_triton",
     "sparse_attention_torch",
     "sparse_attention_triton",
     "use_triton",
