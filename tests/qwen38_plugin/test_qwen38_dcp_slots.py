@@ -5,10 +5,13 @@ two positions of a rank in one row. The engine it serves: test_qwen38_tp_engine.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from qwen38_plugin.cpu_context_parallel import split_slot_mapping
+from qwen38_plugin.cpu_context_parallel import KERNEL, split_slot_mapping
 from qwen38_plugin.ops.qsa_paged import DcpShard
 
 BLOCK_SIZE = 8
@@ -57,3 +60,36 @@ def test_split_slot_mapping_is_vllms_layout(world: int, interleave: int) -> None
                 owners[(next(r for r in range(len(lens)) if query_start_loc[r + 1] > t), positions[t])] = rank
     assert len(owners) == held == len(positions), "a position no rank holds, or two ranks hold"
     assert world == 1 or len(set(owners.values())) == world, "a rank that holds nothing"
+
+
+def _in_a_fresh_process(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_install_replaces_the_cpu_platforms_slot_mapping_and_fails_loudly_without_it() -> None:
+    # In a fresh process: before vLLM registered its CPU override (a worker does it right after loading
+    # plugins) there is nothing to extend, and install() says so, naming the kernel; after it, ours
+    # takes its place in vLLM's registry and a one-rank call still reaches the platform's function.
+    before = _in_a_fresh_process("from qwen38_plugin import cpu_context_parallel as c; c.install()")
+    assert before.returncode != 0
+    assert f"needs vLLM's CPU override of {KERNEL}" in before.stderr, before.stderr[-2000:]
+    after = _in_a_fresh_process(
+        "import torch\n"
+        "from vllm.platforms import current_platform\n"
+        "from vllm.triton_utils import dispatcher\n"
+        "from qwen38_plugin import cpu_context_parallel as c\n"
+        "current_platform.register_triton_kernel_overrides()\n"
+        "print(c.install(), c.install(), dispatcher._registry[c.KERNEL][1].__qualname__)\n"
+        "from vllm.v1.worker.block_table import ComputeSlotMappingKernel\n"
+        "slots = torch.full((6,), 7, dtype=torch.int64)\n"
+        "table = torch.tensor([[3, 5]], dtype=torch.int32)\n"
+        "ComputeSlotMappingKernel.kernel(4, 6, torch.tensor([0, 4], dtype=torch.int32), torch.arange(2, 6),\n"
+        "    table, 2, slots, 4)\n"
+        "print(slots.tolist())\n"
+    )
+    assert after.returncode == 0, after.stderr[-3000:]
+    lines = after.stdout.strip().splitlines()
+    assert lines[-2] == "installed installed _with_context_parallelism.<locals>.compute_slot_mapping", lines
+    # positions 2-5 at rows 2-3 of block 3 and 0-1 of block 5; the rows past the step untouched: the
+    # platform's function ran (the split mapping pads them with -1)
+    assert lines[-1] == "[14, 15, 20, 21, 7, 7]", lines
