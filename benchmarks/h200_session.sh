@@ -66,8 +66,8 @@
 #   j: K20 in a GPU engine (benchmarks/dflash2/k20_gpu_check.py: adaptive verification with dflash2's
 #      acceptance estimator, with stock's, and without speculation; eager, then CUDA graphs).
 #   r: issue 16 on the machine's GPUs: bench_tp.py (Flash-Next's per-layer geometry at TP 1 / 2 / 4 as
-#      the GPUs allow, MTP 3, DCP 2's answer; on one H200, TP=1 only). Each finished run is kept, so a second
-#      call on the warm machine measures only what the first one's limit cut (2026-12-04, BUDGET=570 with the
+#      the GPUs allow, MTP 3, DCP 2 at TP=4 (served since 2026-12-05); on one H200, TP=1 only). Each finished
+#      run is kept, so a second call on the warm machine measures only what the first one's limit cut (2026-12-04, BUDGET=570 with the
 #      kit's install: the 16 GB checkpoint 188 s, TP=1 plain about 200 s, then the limit inside the MTP run;
 #      since 2026-12-05 the checkpoint's random weights are drawn on the GPU: --build-device cpu is the old way).
 #   n: after part r on the same machine: a decode step of its Flash-Next-width checkpoint under the profiler (TP=1,
@@ -230,7 +230,7 @@ r)
     # issue 16 as far as the machine's GPUs allow (TP 2 and 4 need nvidia-h200-x2 / -x4; bench_tp.py lists
     # the sizes it could not run): Flash-Next's real per-layer geometry (4 layers, the real vocabulary,
     # 512 experts: a 16 GB fp16 checkpoint built on the machine) at each TP size, then with MTP 3, and
-    # DCP 2's startup answer at TP >= 2
+    # with DCP 2 at TP >= 2 (served where the ranks outnumber the 2 KV heads: TP=4; refused by stock at TP=2)
     timeout $(lim 585) python3 benchmarks/qwen38_plugin/bench_tp.py "$res/tp" --tps 1,2,4 --mtp 3 --dcp 2 \
         --work $work/tp --timeout 420 >"$res/bench_tp.log" 2>&1
     tail -30 "$res/bench_tp.log"
