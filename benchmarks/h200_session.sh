@@ -72,6 +72,8 @@
 #      since 2026-12-05 the checkpoint's random weights are drawn on the GPU: --build-device cpu is the old way).
 #   n: after part r on the same machine: a decode step of its Flash-Next-width checkpoint under the profiler (TP=1,
 #      batch 1 and 64: profile_gpu.py --model).
+#   y: the QSA kernels' tests natively on one GPU (tests/qwen38_plugin/test_qwen38_qsa_paged.py: Triton against torch,
+#      the DCP partials included; sm_70 / sm_90 compiles; a decode step replayed from a CUDA graph).
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP, and MTP
 #      with QWEN38_QSA_DRAFT_UPDATE=0 (each draft step's QSA metadata built on the host, one graph a step).
 #   l: after part k on the same machine: its trained settings (none, MTP, DFlash: accepted drafts) under the
@@ -426,8 +428,15 @@ e)
     ) >"$res/gpu0.log" 2>&1
     wait
     ;;
+y)
+    # after a change to the QSA kernels alone, on any one GPU: their native CUDA checks against the torch
+    # references (the decode-context-parallel partials included), the sm_70 / sm_90 compiles, CUDA graphs
+    CUDA_VISIBLE_DEVICES=0 timeout $(lim 200) python3 -m pytest --noconftest -q -rA -p no:cacheprovider \
+        tests/qwen38_plugin/test_qwen38_qsa_paged.py >"$res/qsa_ops.log" 2>&1
+    grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$res/qsa_ops.log" | tail -30
+    ;;
 *)
-    echo "part: a, b, c, d, e, f, g, j, k, m, o, p, q, r, s, t, u, v, w or x" >&2
+    echo "part: a, b, c, d, e, f, g, j, k, m, n, o, p, q, r, s, t, u, v, w, x or y" >&2
     exit 2
     ;;
 esac

@@ -35,6 +35,11 @@ One step of a layer, in order (the order matters where one op reads what another
 4. `sparse_attention`.
 `slot_mappings` runs once per step (the metadata builder), not per layer.
 
+With decode context parallelism each rank's ``kv_cache`` holds only its share of the positions
+(`DcpShard`, vLLM's layout: a block-table entry spans ``BS * world`` positions); the key cache and
+the ring stay whole. Step 4 is then `sparse_attention_partials` over the group's query heads on
+every rank, gathered, and `merge_partials` (`vllm_qsa.PortableQSAAttention` does the gathering).
+
 The Triton path runs wherever Triton does: fp16 and fp32 on sm_70 (FMA only), and bf16 from
 sm_80. Measured on the H200 (benchmarks/qwen38_plugin/results/bench_qsa_paged_h200.txt and
 qsa_paged_notes.md): a decode layer of 256 requests at a 32K context in 0.63 ms, 0.61 of the
