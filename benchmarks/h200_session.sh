@@ -73,7 +73,8 @@
 #   n: after part r on the same machine: a decode step of its Flash-Next-width checkpoint under the profiler (TP=1,
 #      batch 1 and 64: profile_gpu.py --model).
 #   y: the QSA kernels' tests natively on one GPU (tests/qwen38_plugin/test_qwen38_qsa_paged.py: Triton against torch,
-#      the DCP partials included; sm_70 / sm_90 compiles; a decode step replayed from a CUDA graph).
+#      the DCP partials included; sm_70 / sm_90 compiles; a decode step replayed from a CUDA graph), then
+#      bench_qsa_paged.py --dcp 2 (fp16; a TP4 rank's attention without and with DCP 2).
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP, and MTP
 #      with QWEN38_QSA_DRAFT_UPDATE=0 (each draft step's QSA metadata built on the host, one graph a step).
 #   l: after part k on the same machine: its trained settings (none, MTP, DFlash: accepted drafts) under the
@@ -434,6 +435,10 @@ y)
     CUDA_VISIBLE_DEVICES=0 timeout $(lim 200) python3 -m pytest --noconftest -q -rA -p no:cacheprovider \
         tests/qwen38_plugin/test_qwen38_qsa_paged.py >"$res/qsa_ops.log" 2>&1
     grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$res/qsa_ops.log" | tail -30
+    # then the QSA layer's speed, with the TP4 / DCP2 table (a rank's attention without and with DCP)
+    CUDA_VISIBLE_DEVICES=0 OUT="$res" timeout $(lim 300) python3 benchmarks/qwen38_plugin/bench_qsa_paged.py \
+        --dtypes float16 --dcp 2 >"$res/bench_qsa_paged.log" 2>&1
+    tail -30 "$res/bench_qsa_paged.log"
     ;;
 *)
     echo "part: a, b, c, d, e, f, g, j, k, m, n, o, p, q, r, s, t, u, v, w, x or y" >&2

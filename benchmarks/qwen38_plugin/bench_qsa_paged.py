@@ -24,6 +24,13 @@ Cases: decode steps of T = 1, 8, 64, 256 requests at contexts 4096 and 32768 (ma
 - ``check``: Triton vs the torch reference on these inputs: rows whose selection is identical,
   and the attention's max rel err given the same selection.
 Prints one table; with ``$OUT`` set, also writes it to ``$OUT/bench_qsa_paged.txt``.
+
+``--dcp 2`` adds the reference deployment's TP4 / DCP2 attention per rank at decode (a second table):
+a rank of TP4 without DCP (6 query heads over its KV head's whole K/V: `sparse_attention`) against a
+rank of its DCP pair (the pair's 12 gathered query heads over half of the positions:
+`sparse_attention_partials` with ``DcpShard(2, 0)``, then `merge_partials` of the two ranks'
+partials); ``frac`` = the K/V bytes each must read over its time and the copy bandwidth. The
+gathers between the ranks (NCCL) are not in it.
 """
 
 from __future__ import annotations
@@ -194,9 +201,49 @@ def case(caches: Caches, label: str, lengths: list[int], counts: list[int], dtyp
     )
 
 
+def dcp_case(caches: Caches, context: int, requests: int, dtype: torch.dtype, bandwidth: float,
+             gen: torch.Generator) -> str:  # fmt: skip
+    """One decode step of ``requests`` at ``context`` for a TP4 rank, without and with DCP 2."""
+    x = step_inputs(caches, [context + 1] * requests, [1] * requests, dtype, gen)
+    selected = run_index(caches, x, 32768 // RATIO, "triton")
+    kv = caches.kv[:, :1]  # the rank's one KV head
+    heads = HQ // 4
+    common = (x["kv_table"], x["token_req"], x["positions"], selected)
+    q_rank, gate_rank = x["q"][:, :heads], x["gate"][:, : heads * D]
+    q_pair = x["q"][:, : 2 * heads]
+    shard = qsa_paged.DcpShard(2, 0)
+
+    def plain() -> torch.Tensor:
+        return qsa_paged.sparse_attention(q_rank, gate_rank, kv, *common, ratio=RATIO, scale=D**-0.5)
+
+    def partials() -> tuple[torch.Tensor, torch.Tensor]:
+        return qsa_paged.sparse_attention_partials(q_pair, kv, *common, ratio=RATIO, scale=D**-0.5, shard=shard)
+
+    acc, ml = partials()
+    acc2, ml2 = torch.cat([acc, acc]), torch.cat([ml, ml])  # the pair's partials, as gathered
+    out = torch.empty_like(gate_rank)
+
+    def merge() -> torch.Tensor:
+        return qsa_paged.merge_partials(acc2[:, :, :heads], ml2[:, :, :heads], gate_rank, out)
+
+    plain_ms, partials_ms, merge_ms = graph_ms(plain), graph_ms(partials), graph_ms(merge)
+    pos = x["positions"].long()
+    complete = (pos + 1) // RATIO
+    keys = int(torch.where(complete > TOPK, TOPK * RATIO + (pos + 1 - complete * RATIO), pos + 1).sum())
+    elem = torch.finfo(dtype).bits // 8
+    full, half = keys * 2 * D * elem, keys * D * elem  # K/V rows of one KV head: all of them, half of them
+    frac_plain = full / (plain_ms * 1e-3 * bandwidth)
+    frac_dcp = half / ((partials_ms + merge_ms) * 1e-3 * bandwidth)
+    dt = str(dtype).removeprefix("torch.")
+    label = f"decode ctx {context}"
+    return (f"{label:<24}{dt:<9}{requests:>6}{plain_ms:>10.3f}{frac_plain:>7.2f}{partials_ms:>10.3f}"
+            f"{merge_ms:>9.3f}{frac_dcp:>7.2f}{(partials_ms + merge_ms) / plain_ms:>9.2f}")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="bfloat16,float16")
+    parser.add_argument("--dcp", type=int, default=0, choices=(0, 2), help="2: the TP4 / DCP2 table too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_qsa_paged: no CUDA device here; run it on a CUDA machine (nothing measured)")
@@ -227,6 +274,16 @@ def main() -> int:
         line = case(caches, "prefill 4096", [4096], [4096], dtype, False, bandwidth, gen)
         print(line, flush=True)
         lines.append(line)
+        if args.dcp:
+            header = (f"{'TP4 rank, DCP 2':<24}{'dtype':<9}{'T':>6}{'tp4 attn':>10}{'frac':>7}{'dcp part':>10}"
+                      f"{'merge':>9}{'frac':>7}{'dcp/tp4':>9}")  # fmt: skip
+            print(header, flush=True)
+            lines.append(header)
+            for context in (4096, 32768):
+                for requests in (1, 8, 64):
+                    line = dcp_case(caches, context, requests, dtype, bandwidth, gen)
+                    print(line, flush=True)
+                    lines.append(line)
         del caches
         torch.cuda.empty_cache()
     out = os.environ.get("OUT")
