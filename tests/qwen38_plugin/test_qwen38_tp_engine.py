@@ -117,13 +117,17 @@ def test_decode_context_parallel_2_at_tp2_equals_transformers(
     # The replicated KV head of the test above, its positions split over the two ranks
     # (`--decode-context-parallel-size 2`, as the reference deployment's TP4 / DCP2 splits Flash-Next's
     # two KV heads): each rank writes and reads half of every request's K/V, in runs of 2 positions.
+    # Every prompt alone first, then all together from the prefix cache the first pass filled.
     model = tiny_checkpoint("qwen4_exp_text", overrides={"num_key_value_heads": 1}, dtype="float32")
     proc = start_engine(
-        model, 2, prompts, num_gpu_blocks_override=None, solo=False, decode_context_parallel_size=2,
-        cp_kv_cache_interleave_size=2,
+        model, 2, prompts, num_gpu_blocks_override=None, solo=True, decode_context_parallel_size=2,
+        cp_kv_cache_interleave_size=2, enable_prefix_caching=True,
     )  # fmt: skip
     run = engine_result(proc)
-    assert run["tokens"] == reference_greedy(model, prompts, torch.float32)
+    reference = reference_greedy(model, prompts, torch.float32)
+    assert run["solo"] == reference
+    assert run["tokens"] == reference
+    assert run["prefix_cache_hits"] > 0
     # both ranks split the positions (stock's CPU slot mapping would have refused)
     log = proc.stdout + proc.stderr
     installed = "decode context parallelism on CPU: the K/V slot mapping splits positions over ranks"
