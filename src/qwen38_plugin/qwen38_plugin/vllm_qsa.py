@@ -352,9 +352,10 @@ class PortableQSAAttention(nn.Module):
             q_group, kv_cache, meta.block_table, meta.token_req, positions, selected,
             ratio=self.ratio, scale=self.scale, shard=self.dcp,
         )  # fmt: skip
-        acc, ml = group.all_gather(acc, dim=0), group.all_gather(ml, dim=0)  # [world * S, T, world * Hq, ...]
-        mine = slice(self.dcp.rank * self.num_heads, (self.dcp.rank + 1) * self.num_heads)
-        qsa_paged.merge_partials(acc[:, :, mine], ml[:, :, mine], gate, out)
+        # one gather for both: [world * S, T, world * Hq, D + 2]
+        packed = group.all_gather(torch.cat([acc, ml], dim=-1), dim=0)
+        mine = packed[:, :, self.dcp.rank * self.num_heads : (self.dcp.rank + 1) * self.num_heads]
+        qsa_paged.merge_partials(mine[..., : self.head_dim], mine[..., self.head_dim :], gate, out)
 
     def _group_start_rope_positions(
         self, rope_positions: torch.Tensor, positions: torch.Tensor, meta: QSAMetadata, ring_block: torch.Tensor
