@@ -161,10 +161,18 @@ def run_layer(c: Caches, x: dict[str, Any], slots: qsa_paged.SlotMappings, max_g
     return run_attention(c, x, run_index(c, x, max_groups, "auto"), "auto")
 
 
+def attended_keys(x: dict[str, Any]) -> torch.Tensor:
+    """How many K/V positions each token of the step attends to: its selection and open group past
+    the budget, every earlier position below it."""
+    pos = x["positions"].long()
+    complete = (pos + 1) // RATIO
+    return torch.where(complete > TOPK, TOPK * RATIO + (pos + 1 - complete * RATIO), pos + 1)
+
+
 def needed_bytes(x: dict[str, Any], elem: int) -> int:
     pos = x["positions"].long()
     complete = (pos + 1) // RATIO
-    keys = torch.where(complete > TOPK, TOPK * RATIO + (pos + 1 - complete * RATIO), pos + 1)
+    keys = attended_keys(x)
     scanned = torch.where(complete > TOPK, complete, 0)
     t = pos.shape[0]
     per_token = (3 * HQ * D + 2 * HKV * D + DI) * elem + HI * DI * 4  # q, gate, out; k, v; raw key; index q
@@ -227,9 +235,7 @@ def dcp_case(caches: Caches, context: int, requests: int, dtype: torch.dtype, ba
         return qsa_paged.merge_partials(acc2[:, :, :heads], ml2[:, :, :heads], gate_rank, out)
 
     plain_ms, partials_ms, merge_ms = graph_ms(plain), graph_ms(partials), graph_ms(merge)
-    pos = x["positions"].long()
-    complete = (pos + 1) // RATIO
-    keys = int(torch.where(complete > TOPK, TOPK * RATIO + (pos + 1 - complete * RATIO), pos + 1).sum())
+    keys = int(attended_keys(x).sum())
     elem = torch.finfo(dtype).bits // 8
     full, half = keys * 2 * D * elem, keys * D * elem  # K/V rows of one KV head: all of them, half of them
     frac_plain = full / (plain_ms * 1e-3 * bandwidth)

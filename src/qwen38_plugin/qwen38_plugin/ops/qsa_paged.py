@@ -170,7 +170,8 @@ def kv_slots(
 ) -> torch.Tensor:
     """`SlotMappings.kv`: every real token's K/V row (vLLM's own slot mapping equals it)."""
     real, req, pos, none = _request_and_position(token_req, positions)
-    return torch.where(real, _lookup(kv_block_table, req, pos // block_size) * block_size + pos % block_size, none)
+    block, row, _ = kv_rows(pos, kv_block_table, req, block_size)
+    return torch.where(real, block * block_size + row, none)
 
 
 def key_slots(
