@@ -22,7 +22,8 @@ first CSF load does, and the later ones find it compiled, as every later load do
 of each format is reported apart (``first``), and the medians and ratios are over the loads after
 it when there are at least two (``--repeats`` >= 2; over all of them otherwise).
 
-Prints the medians and the CSF / source ratios; ``--json`` writes every sample too. ``--inline`` adds
+Prints the medians and the CSF / source ratios; ``--json`` writes every sample too (and, while the
+run goes on, the loads finished so far: ``{"partial": true, "loads": ...}``). ``--inline`` adds
 loads of the CSF checkpoint with ``CSF_LOADER_READ_AHEAD=0`` (the stream in line with stock's copies)
 to the alternation, so the read-ahead's gain is measured in the same run. The CSF load
 should not be slower than the source's: on CUDA the planes are decoded on the GPU by the Triton
@@ -166,6 +167,12 @@ def run_child(
     return result
 
 
+def loads_so_far(samples: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, float]]]:
+    """Each finished load's times and peaks, in the order they ran (the partial report)."""
+    keep = ("load_s", "weights_s", "host_peak_bytes", "gpu_peak_bytes")
+    return {label: [{k: s[k] for k in keep if k in s} for s in runs] for label, runs in samples.items()}
+
+
 def warm(path: Path) -> None:
     for file in sorted(path.rglob("*.safetensors")):
         with file.open("rb") as f:
@@ -199,15 +206,21 @@ def main() -> int:
     samples: dict[str, list[dict[str, Any]]] = {"source": [], "csf": []}
     if args.inline:
         samples["csf-inline"] = []
+    runs: list[tuple[str, Path, str, dict[str, str] | None]] = [
+        ("source", args.source, "auto", None),
+        ("csf", args.csf, "csf", None),
+    ]
+    if args.inline:
+        runs.append(("csf-inline", args.csf, "csf", {"CSF_LOADER_READ_AHEAD": "0"}))
     with tempfile.TemporaryDirectory(prefix="load-overhead-triton-") as triton_cache:
         for _ in range(args.repeats):
-            samples["source"].append(run_child(args.source, "auto", args.dtype, args.log, Path(triton_cache)))
-            samples["csf"].append(run_child(args.csf, "csf", args.dtype, args.log, Path(triton_cache)))
-            if args.inline:
-                inline = {"CSF_LOADER_READ_AHEAD": "0"}
-                samples["csf-inline"].append(
-                    run_child(args.csf, "csf", args.dtype, args.log, Path(triton_cache), inline)
-                )
+            for label, model, load_format, extra in runs:
+                samples[label].append(run_child(model, load_format, args.dtype, args.log, Path(triton_cache), extra))
+                if args.json:
+                    # every finished load is on disk at once: a caller's time limit that stops the run keeps them
+                    # (2026-12-05: nine children of about 35 s each outran a 300 s limit and took all eight
+                    # finished samples with them); the full report below replaces this
+                    args.json.write_text(json.dumps({"partial": True, "loads": loads_so_far(samples)}, indent=1))
     keys = ["load_s", "weights_s", "host_peak_bytes", "host_hwm_bytes"]
     if "gpu_peak_bytes" in samples["source"][0]:
         keys += ["gpu_peak_bytes", "gpu_after_bytes"]
