@@ -136,7 +136,10 @@ def read_ahead(
     ahead = _Ahead(stream, max_items, max_bytes)
     if device is not None and torch.device(device).type == "cuda":
         device = torch.device(device)
-        ahead.cuda = (device, torch.cuda.current_stream(device))
+        # the stream knows its device's index; `device` may be a bare torch.device("cuda"), which
+        # torch.cuda.set_device refuses on the worker thread (2026-12-05, device_path_check on the H100)
+        loader_stream = torch.cuda.current_stream(device)
+        ahead.cuda = (loader_stream.device, loader_stream)
     worker = threading.Thread(target=ahead.work, name="csf-read-ahead", daemon=True)
     worker.start()
     try:
