@@ -100,9 +100,11 @@ def _compile_cases(
              "token_req_ptr": "*i32", "step_start_ptr": "*i32", "positions_ptr": "*i64", "slots_ptr": "*i64"}, (),
             {"KIND": int(kind), "SEARCH_STEPS": 9, "BLOCK": 256}, 4)
            for kind in qsa_step_metadata.CacheKind},
-        "merge_splits": (qsa_paged._merge_splits_kernel,
-                         {"partial_acc_ptr": f32, "partial_ml_ptr": f32, "gate_ptr": p, "out_ptr": p}, (),
-                         {"NUM_Q_HEADS": 24, "HEAD_DIM": 256, "NUM_SPLITS": 8, "BLOCK_S": 8, "BLOCK_D": 256}, 4),
+        # the attention kernel's own 8 splits, and DCP 2's gathered partials (one share a rank)
+        **{name: (qsa_paged._merge_splits_kernel,
+                  {"partial_acc_ptr": f32, "partial_ml_ptr": f32, "gate_ptr": p, "out_ptr": p}, (),
+                  {"HEAD_DIM": 256, "NUM_SPLITS": splits, "BLOCK_S": splits, "BLOCK_D": 256}, 4)
+           for name, splits in (("merge_splits", 8), ("merge_dcp", 2))},
     }  # fmt: skip
 
 
@@ -111,12 +113,13 @@ EVERY_KERNEL = ["write_kv", "write_rows", "group_keys", "index_scores", "select_
 # the step-metadata kernel has integer arguments only: one compile per cache kind and target
 STEP_METADATA = [f"step_metadata_{kind.name.lower()}" for kind in qsa_step_metadata.CacheKind]
 COMPILES = [
-    (70, "fp16", [*EVERY_KERNEL, "sparse_attention_dcp", *STEP_METADATA]),
+    (70, "fp16", [*EVERY_KERNEL, "sparse_attention_dcp", "merge_dcp", *STEP_METADATA]),
     (70, "fp32", ["sparse_attention_split"]),
     (
         90,
         "bf16",
-        [*EVERY_KERNEL[:4], "select_groups_chunked", *EVERY_KERNEL[5:], "sparse_attention_dcp", *STEP_METADATA],
+        [*EVERY_KERNEL[:4], "select_groups_chunked", *EVERY_KERNEL[5:], "sparse_attention_dcp", "merge_dcp",
+         *STEP_METADATA],
     ),
     (90, "fp16", ["index_scores"]),
 ]

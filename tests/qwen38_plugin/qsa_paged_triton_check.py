@@ -345,19 +345,37 @@ def check_dcp_attention() -> str:
                 acc = torch.cat([a for a, _ in parts])
                 ml = torch.cat([m for _, m in parts])
                 out = torch.full_like(want, float("nan"))
-                qsa_paged.merge_partials(acc, ml, gate, out)
+                qsa_paged.merge_partials(acc, ml, gate, out, backend="torch")
                 assert not out.isnan().any(), f"dcp attention: NaN outputs ({backend}, world {world})"
                 err = rel(out[:-2], want[:-2])
                 assert err < 1e-5, f"dcp attention rel err {err:.3g} (case {index}, world {world}, {backend} {splits})"
                 worst = max(worst, err)
                 cases += 1
+                # the Triton merge as vLLM's layer calls it: one rank's heads sliced out of the partials packed
+                # [S, T, world * H, D + 2] as gathered (strided views), against the torch merge of the same heads
+                packed = torch.cat([acc, ml], dim=-1).repeat(1, 1, world, 1)
+                for rank in (0, world - 1):
+                    mine = packed[:, :, rank * heads : (rank + 1) * heads]
+                    merged = torch.full_like(want, float("nan"))
+                    qsa_paged.merge_partials(mine[..., :dim], mine[..., dim:], gate, merged, backend="triton")
+                    assert torch.equal(merged.isnan(), out.isnan()) and rel(merged, out) < 1e-6, (
+                        f"triton merge of strided partials: rel err {rel(merged, out):.3g} (case {index}, world {world})"
+                    )
     # a share without any of a token's keys: the merge weighs it 0
     acc = torch.zeros(2, 1, 1, 4, device=DEVICE)
     ml = torch.tensor([[[[qsa_paged.NO_KEYS_MAX, 0.0]]], [[[0.5, 2.0]]]], device=DEVICE)
     acc[1] = 2.0
-    out = torch.empty(1, 4, device=DEVICE)
-    qsa_paged.merge_partials(acc, ml, torch.full((1, 4), 50.0, device=DEVICE), out)
-    assert torch.allclose(out, torch.ones(1, 4, device=DEVICE)), f"empty share weighed: {out}"
+    for backend in ("torch", "triton"):
+        out = torch.empty(1, 4, device=DEVICE)
+        qsa_paged.merge_partials(acc, ml, torch.full((1, 4), 50.0, device=DEVICE), out, backend=backend)
+        assert torch.allclose(out, torch.ones(1, 4, device=DEVICE)), f"empty share weighed ({backend}): {out}"
+    # a token no share saw (padding): zeros from both
+    for backend in ("torch", "triton"):
+        out = torch.full((1, 4), float("nan"), device=DEVICE)
+        empty_ml = torch.tensor([[[[qsa_paged.NO_KEYS_MAX, 0.0]]]] * 2, device=DEVICE)
+        qsa_paged.merge_partials(torch.zeros(2, 1, 1, 4, device=DEVICE), empty_ml, torch.ones(1, 4, device=DEVICE),
+                                 out, backend=backend)  # fmt: skip
+        assert torch.equal(out, torch.zeros(1, 4, device=DEVICE)), f"padding token ({backend}): {out}"
     return f"{cases} cases, worst rel err {worst:.2e}"
 
 

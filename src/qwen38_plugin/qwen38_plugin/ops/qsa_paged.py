@@ -665,28 +665,36 @@ if HAVE_TRITON:
         partial_ml_ptr,
         gate_ptr,
         out_ptr,
+        stride_acc_split,
+        stride_acc_token,
+        stride_acc_head,
+        stride_ml_split,
+        stride_ml_token,
+        stride_ml_head,
         stride_gate_token,
         stride_out_token,
-        num_tokens,
-        NUM_Q_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # One program per (token, query head): rescale each split's partial to the common max.
+        # One program per (token, query head): rescale each split's partial to the common max. The
+        # partials are strided (dim and the (max, sum) pair contiguous), so a rank's heads sliced out
+        # of the gathered decode-context-parallel partials merge in place, as the kernel's own splits.
         token = tl.program_id(0)
         head = tl.program_id(1)
         splits = tl.arange(0, BLOCK_S)
         splits_ok = splits < NUM_SPLITS
-        part = (splits * num_tokens + token) * NUM_Q_HEADS + head
-        m = tl.load(partial_ml_ptr + part * 2, mask=splits_ok, other=-1.0e30)
-        normalizer = tl.load(partial_ml_ptr + part * 2 + 1, mask=splits_ok, other=0.0)
+        split_at = splits.to(tl.int64)
+        ml_at = split_at * stride_ml_split + token.to(tl.int64) * stride_ml_token + head * stride_ml_head
+        m = tl.load(partial_ml_ptr + ml_at, mask=splits_ok, other=-1.0e30)
+        normalizer = tl.load(partial_ml_ptr + ml_at + 1, mask=splits_ok, other=0.0)
         m_all = tl.max(m, axis=0)
         weight = tl.where(splits_ok, tl.exp2(m - m_all), 0.0)
         dims = tl.arange(0, BLOCK_D)
+        acc_at = split_at * stride_acc_split + token.to(tl.int64) * stride_acc_token + head * stride_acc_head
         acc = tl.load(
-            partial_acc_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :],
+            partial_acc_ptr + acc_at[:, None] + dims[None, :],
             mask=splits_ok[:, None] & (dims < HEAD_DIM)[None, :],
             other=0.0,
         )
@@ -1257,12 +1265,8 @@ def sparse_attention_partials_torch(
     return acc, ml
 
 
-def merge_partials(acc: torch.Tensor, ml: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The gated attention output ``out [T, H * D]`` from partials over disjoint shares of each
-    token's keys (`sparse_attention_partials`: ``acc [S, T, H, D]`` unnormalised, ``ml [S, T, H, 2]``
-    each share's log2-domain maximum and sum): rescaled to the common maximum and summed, divided,
-    rounded to ``out``'s dtype and times ``sigmoid(gate)`` rounded likewise, as the kernel's merge.
-    A token no share saw (padding) gets zeros."""
+def merge_partials_torch(acc: torch.Tensor, ml: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Reference of `merge_partials`."""
     tokens, heads, dim = acc.shape[1:]
     top = ml[..., 0].amax(dim=0)  # [T, H]
     weight = torch.exp2(ml[..., 0] - top)  # [S, T, H]
@@ -1347,11 +1351,7 @@ def sparse_attention_triton(
         **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     if num_splits > 1:
-        _merge_splits_kernel[(tokens, heads)](
-            partial_acc, partial_ml, gate, out, gate.stride(0), out.stride(0), tokens,
-            NUM_Q_HEADS=heads, HEAD_DIM=dim, NUM_SPLITS=num_splits, BLOCK_S=_block(num_splits, 1), BLOCK_D=block_d,
-            num_warps=4,
-        )  # fmt: skip
+        merge_partials_triton(partial_acc, partial_ml, gate, out)
     return out
 
 
@@ -1394,6 +1394,41 @@ def sparse_attention_partials_triton(
         **({"num_stages": 1} if num_splits > 1 else {}),
     )  # fmt: skip
     return acc, ml
+
+
+def merge_partials_triton(acc: torch.Tensor, ml: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`merge_partials` in one launch (`_merge_splits_kernel`, which also merges the attention
+    kernel's own splits). ``acc`` and ``ml`` may be strided views (a rank's heads of the gathered
+    partials) as long as their last dim is contiguous."""
+    splits, tokens, heads, dim = acc.shape
+    if acc.stride(-1) != 1 or ml.stride(-1) != 1 or gate.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("merge_partials_triton: acc, ml, gate and out need a contiguous last dim")
+    if tokens == 0:
+        return out
+    _merge_splits_kernel[(tokens, heads)](
+        acc, ml, gate, out, *acc.stride()[:3], *ml.stride()[:3], gate.stride(0), out.stride(0),
+        HEAD_DIM=dim, NUM_SPLITS=splits, BLOCK_S=_block(splits, 1), BLOCK_D=_block(dim), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def merge_partials(
+    acc: torch.Tensor, ml: torch.Tensor, gate: torch.Tensor, out: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
+    """The gated attention output ``out [T, H * D]`` from partials over disjoint shares of each
+    token's keys (`sparse_attention_partials`: ``acc [S, T, H, D]`` unnormalised, ``ml [S, T, H, 2]``
+    each share's log2-domain maximum and sum): rescaled to the common maximum and summed, divided,
+    rounded to ``out``'s dtype and times ``sigmoid(gate)`` rounded likewise, as the unsplit kernel.
+    A token no share saw (padding) gets zeros. One launch on CUDA (about a dozen torch ops took
+    0.04 ms a QSA layer on the H100, 2026-12-05), torch elsewhere."""
+    if acc.dim() != 4 or ml.shape != (*acc.shape[:3], 2) or out.shape != (acc.shape[1], acc.shape[2] * acc.shape[3]):
+        raise ValueError(
+            f"merge_partials: acc {tuple(acc.shape)}, ml {tuple(ml.shape)} and out {tuple(out.shape)} do not fit "
+            "(acc [S, T, H, D], ml [S, T, H, 2], out [T, H * D])"
+        )
+    fn: Any = merge_partials_triton if use_triton(acc, backend) else merge_partials_torch
+    result: torch.Tensor = fn(acc, ml, gate, out)
+    return result
 
 
 def sparse_attention_partials(
@@ -1501,6 +1536,8 @@ __all__ = [
     "kv_rows",
     "kv_slots",
     "merge_partials",
+    "merge_partials_torch",
+    "merge_partials_triton",
     "prepare",
     "ring_slots",
     "slot_mappings",
