@@ -118,8 +118,14 @@ COMPILES = [
     (
         90,
         "bf16",
-        [*EVERY_KERNEL[:4], "select_groups_chunked", *EVERY_KERNEL[5:], "sparse_attention_dcp", "merge_dcp",
-         *STEP_METADATA],
+        [
+            *EVERY_KERNEL[:4],
+            "select_groups_chunked",
+            *EVERY_KERNEL[5:],
+            "sparse_attention_dcp",
+            "merge_dcp",
+            *STEP_METADATA,
+        ],
     ),
     (90, "fp16", ["index_scores"]),
 ]

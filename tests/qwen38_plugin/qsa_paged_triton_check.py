@@ -359,7 +359,7 @@ def check_dcp_attention() -> str:
                     merged = torch.full_like(want, float("nan"))
                     qsa_paged.merge_partials(mine[..., :dim], mine[..., dim:], gate, merged, backend="triton")
                     assert torch.equal(merged.isnan(), out.isnan()) and rel(merged, out) < 1e-6, (
-                        f"triton merge of strided partials: rel err {rel(merged, out):.3g} (case {index}, world {world})"
+                        f"triton merge, strided partials: rel err {rel(merged, out):.3g} (case {index}, world {world})"
                     )
     # a share without any of a token's keys: the merge weighs it 0
     acc = torch.zeros(2, 1, 1, 4, device=DEVICE)
