@@ -365,14 +365,13 @@ def check_dcp_attention() -> str:
     acc = torch.zeros(2, 1, 1, 4, device=DEVICE)
     ml = torch.tensor([[[[qsa_paged.NO_KEYS_MAX, 0.0]]], [[[0.5, 2.0]]]], device=DEVICE)
     acc[1] = 2.0
+    # and a token no share saw (padding) gets zeros; both from either merge
+    empty_ml = torch.tensor([[[[qsa_paged.NO_KEYS_MAX, 0.0]]]] * 2, device=DEVICE)
     for backend in ("torch", "triton"):
         out = torch.empty(1, 4, device=DEVICE)
         qsa_paged.merge_partials(acc, ml, torch.full((1, 4), 50.0, device=DEVICE), out, backend=backend)
         assert torch.allclose(out, torch.ones(1, 4, device=DEVICE)), f"empty share weighed ({backend}): {out}"
-    # a token no share saw (padding): zeros from both
-    for backend in ("torch", "triton"):
         out = torch.full((1, 4), float("nan"), device=DEVICE)
-        empty_ml = torch.tensor([[[[qsa_paged.NO_KEYS_MAX, 0.0]]]] * 2, device=DEVICE)
         qsa_paged.merge_partials(torch.zeros(2, 1, 1, 4, device=DEVICE), empty_ml, torch.ones(1, 4, device=DEVICE),
                                  out, backend=backend)  # fmt: skip
         assert torch.equal(out, torch.zeros(1, 4, device=DEVICE)), f"padding token ({backend}): {out}"
