@@ -36,8 +36,8 @@ def test_simulated_ranks_give_the_replicated_output_bit_for_bit(dtype: torch.dty
             # the output width for prefill-sized inputs, depending on the CPU (fp32 at TP=4 differed
             # on one CI machine, not on others), so bits can differ here; vLLM's own CPU GEMM does not
             # (test_vllm_layers_on_two_ranks_are_bit_identical, 129 tokens in bf16).
-            tolerance = {"rtol": 1.6e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
-            torch.testing.assert_close(gathered, replicated, **tolerance)
+            rtol, atol = (1.6e-2, 1e-2) if dtype == torch.bfloat16 else (1e-5, 1e-5)
+            torch.testing.assert_close(gathered, replicated, rtol=rtol, atol=atol)
         else:
             assert torch.equal(gathered, replicated), (tokens, dtype)
 
