@@ -29,6 +29,7 @@ Prints one summary line; exits non-zero on any failure.
 
 from __future__ import annotations
 
+import math
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -143,7 +144,9 @@ def corrupt_cases(stream: Stream) -> Iterator[tuple[str, Stream, str]]:
 
 
 def oom_message(device: torch.device, plane_stream: Stream) -> str:
-    """The error when the decoded plane's allocation fails on DEVICE."""
+    """The error when the device runs out of memory decoding the plane: on cuda with the process's
+    memory capped (the staged copy's allocation fails first), on cpu by failing the first device
+    allocation, the staged copy's, then, in a second decode, the decoded plane's."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         budget = torch.cuda.memory_reserved(device) + (1 << 20)
@@ -155,14 +158,22 @@ def oom_message(device: torch.device, plane_stream: Stream) -> str:
             torch.cuda.empty_cache()
     real = device_decode._device_empty
 
-    def fail(shape: tuple[int, ...], on: torch.device) -> torch.Tensor:
-        raise torch.OutOfMemoryError(f"out of memory: tried to allocate {shape[0] * shape[1]} bytes")
+    def message_when(failing: str) -> str:
+        def fail(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+            if failing == "decoded" and len(shape) == 1:  # the staged copy (one dimension) succeeds
+                return real(shape, device)
+            raise torch.OutOfMemoryError(f"out of memory: tried to allocate {math.prod(shape)} bytes")
 
-    device_decode._device_empty = fail
-    try:
-        return error_of(lambda: consume(decode_csf_stream(plane_stream, decoder=PlaneDecoder(device, "triton"))))
-    finally:
-        device_decode._device_empty = real
+        device_decode._device_empty = fail
+        decoder = PlaneDecoder(device, "triton")
+        try:
+            return error_of(lambda: consume(decode_csf_stream(plane_stream, decoder=decoder)))
+        finally:
+            device_decode._device_empty = real
+
+    staged, decoded = message_when("staged"), message_when("decoded")
+    check(staged == decoded, f"out of memory staging {staged!r} vs decoding {decoded!r}")
+    return decoded
 
 
 def staged_planes(device: torch.device) -> None:

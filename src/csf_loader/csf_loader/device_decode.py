@@ -79,7 +79,8 @@ def kernel_for_or_none(device: torch.device) -> str | None:
 
 
 def _device_empty(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The decoded plane's buffer (one place, so tests can make it fail)."""
+    """A uint8 buffer on the device: the decoded planes' and the staged copy's (one place, so tests
+    can make the device allocations fail)."""
     return torch.empty(shape, dtype=torch.uint8, device=device)
 
 
@@ -177,7 +178,7 @@ class StagingRing:
         _fill_staging(host, planes)
         if check is not None:
             check(host)
-        staged = torch.empty(size, dtype=torch.uint8, device=self.device)
+        staged = _device_empty((size,), self.device)
         staged.copy_(host, non_blocking=True)
         self.offset = start + size
         return _staged_views(staged, planes)
@@ -301,9 +302,11 @@ class PlaneDecoder:
                 raise _GroupValuesFailed
 
         staged_at = time.perf_counter()
-        fixed, words, starts = self.staging.stage_group(planes, check)
-        self.copy_seconds += time.perf_counter() - staged_at
+        # the staged copy can be the allocation that fails (a group larger than the ring goes
+        # through a fresh device buffer): it gets the same message as the decoded buffer's
         try:
+            fixed, words, starts = self.staging.stage_group(planes, check)
+            self.copy_seconds += time.perf_counter() - staged_at
             out = _device_empty((len(jobs), rows, cols), self.device)
         except torch.OutOfMemoryError:
             raise DeviceMemoryError(self._oom_message(planes, rows, cols, first.what)) from None
@@ -435,7 +438,7 @@ def _stage_pageable(
     _fill_staging(host, planes)
     if check is not None:
         check(host)
-    return _staged_views(host.to(device), planes)
+    return _staged_views(_device_empty((host.numel(),), device).copy_(host), planes)
 
 
 def stage_plane(plane: CsfPlane, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
