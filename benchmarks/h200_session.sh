@@ -102,7 +102,16 @@ work=/tmp/h200_session
 res=$work/results-$part
 mkdir -p "$res"
 src=$(printf "$root/src/%s:" qwen38_plugin sm70_backend dflash2 csf_loader tool_parsers)
-export PYTHONPATH="$src$root:${PYTHONPATH:-}" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# pip install --target does not run a wheel's .pth file, and the CUTLASS DSL (h200_stock_kit.sh) puts
+# its `cutlass` package on sys.path only through one (nvidia_cutlass_dsl_packages.pth): without this,
+# FlashInfer's GDN prefill, which vLLM picks once FlashInfer is installed, fails with "No module named
+# 'cutlass'" in ours and stock's engines alike (2026-12-05, parts b and k).
+dsl=""
+IFS=: read -ra entries <<<"${PYTHONPATH:-}"
+for entry in "${entries[@]}"; do
+    [ -d "$entry/nvidia_cutlass_dsl/dsl_packages" ] && dsl="$dsl:$entry/nvidia_cutlass_dsl/dsl_packages"
+done
+export PYTHONPATH="$src$root:${PYTHONPATH:-}$dsl" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 q38="python3 $root/benchmarks/qwen38_plugin/gpu_session.py"
 csf="python3 $root/benchmarks/csf_loader/gpu_session.py"
 cd "$root"

@@ -19,7 +19,9 @@
 #       && rm "$w".part*; done && python3 -m pip install -q --no-index --no-deps --no-compile \
 #       --target /tmp/site *.whl && cd - && export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0
 #
-# then, e.g., `python3 benchmarks/qwen38_plugin/bench_gpu.py OUT --modes graphs --stock`. The folders
+# then `bash benchmarks/h200_session.sh b $OUT` with BENCH_ARGS="--modes graphs --stock ...". That
+# script also puts /tmp/site/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH, which the DSL's .pth file
+# would do in a site directory (--target runs no .pth); run bench_gpu.py directly and you must add it. The folders
 # are git-excluded (/.kit*/, as the first five). Needs pip access to PyPI (this machine has it).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
