@@ -238,7 +238,7 @@ def serve(session: Session, paths: dict[str, Path], tp: int, codecs: Sequence[st
 
 
 def load(
-    session: Session, paths: dict[str, Path], repeats: int, codecs: Sequence[str] = CODECS, inline: bool = False
+    session: Session, paths: dict[str, Path], repeats: int, codecs: Sequence[str] = CODECS, read_ahead: bool = False
 ) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for codec in codecs:
@@ -246,9 +246,9 @@ def load(
         script = "benchmarks/csf_loader/load_overhead.py"
         children = session.out / f"load-{codec}-children.log"
         cmd = [sys.executable, script, str(paths[codec]), str(paths[f"{codec}_csf"]), "--repeats", str(repeats)]
-        cmd += ["--inline"] if inline else []
+        cmd += ["--read-ahead"] if read_ahead else []
         # each load is a fresh process of about 35 s on the H100 / H200 (mostly vLLM's and CUDA's start)
-        limit = 60 + 40 * repeats * (3 if inline else 2)
+        limit = 60 + 40 * repeats * (3 if read_ahead else 2)
         run = session.run(f"load-{codec}", [*cmd, "--json", str(out), "--log", str(children)], limit)
         written = json.loads(out.read_text()) if out.exists() else {}
         if written and not written.get("partial"):
@@ -299,9 +299,10 @@ def main() -> None:
         "--repeats", type=int, default=3, help="loads of each checkpoint in the load step (the first compiles)"
     )
     parser.add_argument(
-        "--inline",
+        "--read-ahead",
         action="store_true",
-        help="the load step also loads each CSF checkpoint with its stream in line (load_overhead.py --inline)",
+        help="the load step also loads each CSF checkpoint with its stream on a thread ahead (load_overhead.py "
+        "--read-ahead)",
     )
     parser.add_argument(
         "--work", type=Path, default=Path("/tmp/csf_gpu_session"), help="checkpoints (kept out of OUT: gigabytes)"
@@ -360,7 +361,7 @@ def main() -> None:
             elif step == "tp2":
                 serve(session, paths, 2, codecs)
             else:
-                session.summary["load"] = load(session, paths, args.repeats, codecs, args.inline)
+                session.summary["load"] = load(session, paths, args.repeats, codecs, args.read_ahead)
         session.save()
         print(f"{step}: done, {session.left():.0f} s left", flush=True)
     if not_run:

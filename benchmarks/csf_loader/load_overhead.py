@@ -23,9 +23,9 @@ of each format is reported apart (``first``), and the medians and ratios are ove
 it when there are at least two (``--repeats`` >= 2; over all of them otherwise).
 
 Prints the medians and the CSF / source ratios; ``--json`` writes every sample too (and, while the
-run goes on, the loads finished so far: ``{"partial": true, "loads": ...}``). ``--inline`` adds
-loads of the CSF checkpoint with ``CSF_LOADER_READ_AHEAD=0`` (the stream in line with stock's copies)
-to the alternation, so the read-ahead's gain is measured in the same run. The CSF load
+run goes on, the loads finished so far: ``{"partial": true, "loads": ...}``). ``--read-ahead`` adds
+loads of the CSF checkpoint with ``CSF_LOADER_READ_AHEAD=1`` (the stream on a thread ahead of stock's
+copies; in line by default) to the alternation, so the read-ahead's gain is measured in the same run. The CSF load
 should not be slower than the source's: on CUDA the planes are decoded on the GPU by the Triton
 kernel as they stream in (``csf_loader.device_decode``), on CPU by the torch codec.
 """
@@ -189,10 +189,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--log", type=Path, default=None, help="append every child's output here")
     parser.add_argument(
-        "--inline",
+        "--read-ahead",
         action="store_true",
-        help="also load the CSF checkpoint with CSF_LOADER_READ_AHEAD=0 (its stream in line with stock's copies, "
-        "as before read_ahead), in the same alternation: the read-ahead's own gain in one run",
+        help="also load the CSF checkpoint with CSF_LOADER_READ_AHEAD=1 (its stream on a thread ahead of stock's "
+        "copies), in the same alternation: the read-ahead's own gain in one run",
     )
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -204,14 +204,14 @@ def main() -> int:
     warm(args.source)
     warm(args.csf)
     samples: dict[str, list[dict[str, Any]]] = {"source": [], "csf": []}
-    if args.inline:
-        samples["csf-inline"] = []
+    if args.read_ahead:
+        samples["csf-read-ahead"] = []
     runs: list[tuple[str, Path, str, dict[str, str] | None]] = [
         ("source", args.source, "auto", None),
         ("csf", args.csf, "csf", None),
     ]
-    if args.inline:
-        runs.append(("csf-inline", args.csf, "csf", {"CSF_LOADER_READ_AHEAD": "0"}))
+    if args.read_ahead:
+        runs.append(("csf-read-ahead", args.csf, "csf", {"CSF_LOADER_READ_AHEAD": "1"}))
     with tempfile.TemporaryDirectory(prefix="load-overhead-triton-") as triton_cache:
         for _ in range(args.repeats):
             for label, model, load_format, extra in runs:
@@ -231,9 +231,9 @@ def main() -> int:
         label: {k: statistics.median(s[k] for s in runs[later:]) for k in keys} for label, runs in samples.items()
     }
     ratios = {k: medians["csf"][k] / medians["source"][k] if medians["source"][k] else None for k in keys}
-    inline_ratios = (
-        {k: medians["csf-inline"][k] / medians["source"][k] if medians["source"][k] else None for k in keys}
-        if args.inline
+    read_ahead_ratios = (
+        {k: medians["csf-read-ahead"][k] / medians["source"][k] if medians["source"][k] else None for k in keys}
+        if args.read_ahead
         else None
     )
     device = samples["source"][0]["device"]
@@ -257,19 +257,20 @@ def main() -> int:
             if ratio is not None
             else f"  {name:<24} source {medians['source'][k] / unit:10.3f}   csf {medians['csf'][k] / unit:10.3f}"
         )
-    if inline_ratios is not None:
+    if read_ahead_ratios is not None:
         print(
-            "  csf with CSF_LOADER_READ_AHEAD=0 (in line): "
+            "  csf with CSF_LOADER_READ_AHEAD=1 (a thread ahead): "
             + ", ".join(
-                f"{k} {medians['csf-inline'][k]:.3f} s ({inline_ratios[k]:.3f}x)" for k in ("load_s", "weights_s")
+                f"{k} {medians['csf-read-ahead'][k]:.3f} s ({read_ahead_ratios[k]:.3f}x)"
+                for k in ("load_s", "weights_s")
             )
-            + f"; its decode: {samples['csf-inline'][-1]['decode_log']}"
+            + f"; its decode: {samples['csf-read-ahead'][-1]['decode_log']}"
         )
     verdict = medians["csf"]["load_s"] <= medians["source"]["load_s"]
     print(f"CSF load not slower than the source's: {verdict}")
     if args.json:
         report = {"device": device, "sizes": size, "medians_over": over, "medians": medians, "ratios": ratios,
-                  "inline_ratios": inline_ratios, "first": first, "samples": samples}  # fmt: skip
+                  "read_ahead_ratios": read_ahead_ratios, "first": first, "samples": samples}  # fmt: skip
         args.json.write_text(json.dumps({**report, "csf_not_slower": verdict}, indent=1))
     return 0
 

@@ -19,8 +19,8 @@ the CPU standing in for the GPU). Checks:
 * every corrupt-input case fails with the same ``CsfLoadError`` message on both paths, naming the
   file (or shard) and tensor;
 * the stream run on a thread ahead of its consumer (``read_ahead``, as the loader does with the
-  Triton kernel) gives the same tensors in order and the same errors (on cuda with the consumer on
-  a stream of its own);
+  Triton kernel and ``CSF_LOADER_READ_AHEAD=1``) gives the same tensors in order and the same errors
+  (on cuda with the consumer on a stream of its own);
 * an out-of-memory error while decoding names the tensor and the bytes it needed (on cpu the
   allocation is made to fail; on cuda the process's memory is really capped).
 
@@ -262,7 +262,8 @@ def batched_windows(device: torch.device, kernel: str) -> None:
 
 
 def read_ahead_paths(device: torch.device, kernel: str) -> None:
-    """The loader's device path runs the stream on a thread ahead of stock's copies (``read_ahead``):
+    """With ``CSF_LOADER_READ_AHEAD=1`` the loader's device path runs the stream on a thread ahead of
+    stock's copies (``read_ahead``):
     the same tensors in the same order as the host path, a window of planes flushing while the consumer
     lags two items behind, and a corrupt plane's error, the same message, after the tensors before it.
     On CUDA the consumer iterates on a stream of its own, which the worker's copies and launches follow."""

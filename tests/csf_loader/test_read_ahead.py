@@ -113,11 +113,13 @@ def test_bad_bounds_and_settings_are_refused(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ValueError, match="max_items 0 must be >= 1"):
         next(read_ahead(Counted(1), max_items=0))
     monkeypatch.delenv(ENV, raising=False)
+    assert read_ahead_enabled() is False  # in line by default: faster on the H100 (2026-12-05)
+    monkeypatch.setenv(ENV, "1")
     assert read_ahead_enabled() is True
     monkeypatch.setenv(ENV, "0")
     assert read_ahead_enabled() is False
     monkeypatch.setenv(ENV, "yes")
-    with pytest.raises(ReadAheadConfigError, match=r"CSF_LOADER_READ_AHEAD='yes': use 1 .* or 0"):
+    with pytest.raises(ReadAheadConfigError, match=r"CSF_LOADER_READ_AHEAD='yes': use 0 .* or 1"):
         read_ahead_enabled()
 
 
@@ -129,7 +131,9 @@ def test_the_loader_refuses_a_bad_setting_naming_it(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(ENV, "2")
     with pytest.raises(CsfLoadError, match=r"csf_loader: CSF_LOADER_READ_AHEAD='2'"):
         CsfModelLoader(LoadConfig(load_format="csf"))
-    monkeypatch.setenv(ENV, "0")
+    monkeypatch.setenv(ENV, "1")
+    assert CsfModelLoader(LoadConfig(load_format="csf")).read_ahead is True
+    monkeypatch.delenv(ENV)
     loader = CsfModelLoader(LoadConfig(load_format="csf"))
     assert loader.read_ahead is False and loader.decoder_for(nn.Linear(2, 2)).device == torch.device("cpu")
 

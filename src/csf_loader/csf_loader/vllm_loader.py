@@ -8,9 +8,9 @@ the model's own ``load_weights`` and stock's NVFP4 methods receive exactly the s
 The decode runs where the model's parameters are (``device_decode.PlaneDecoder``): on CUDA the
 compressed streams go to the GPU and the Triton kernel decodes them there as they stream in, a
 window of planes at a time (``stream.PlaneWindow``: up to 128 planes, or 32 MB of them and the tensors
-between them held back, checked, copied and decoded per shape at once), the whole stream produced on a
-thread ahead of stock's copies (``read_ahead``; ``CSF_LOADER_READ_AHEAD=0`` keeps it in line); on CPU the torch codec
-decodes on the host, and for stock's parallel linear layers each rank decodes only its TP extent
+between them held back, checked, copied and decoded per shape at once), in line with stock's copies
+(``CSF_LOADER_READ_AHEAD=1``: the whole stream produced on a thread ahead of them, ``read_ahead``); on
+CPU the torch codec decodes on the host, and for stock's parallel linear layers each rank decodes only its TP extent
 from the compressed payload (``tp_extent_resolver``).
 Stock's ModelOpt ``MIXED_PRECISION`` config reads the CSF ``config.json`` unchanged (it
 ignores ``weight_scale_encoding``).
@@ -214,12 +214,13 @@ class CsfModelLoader(DefaultModelLoader):
             shard_of = shard_index(model_config.model)
             extent_of = tp_extent_resolver(model)
             stream = decode_csf_stream(super().get_all_weights(model_config, model), shard_of, extent_of, decoder)
-        # With the Triton kernel the stream's own work (checks, staging, launches) runs on a thread ahead of
-        # stock's copies (read_ahead); the torch codec on the host stays in line, on the worker's own cores.
+        # With the Triton kernel and CSF_LOADER_READ_AHEAD=1 the stream's own work (checks, staging, launches)
+        # runs on a thread ahead of stock's copies (read_ahead: slower than in line on the H100, 2026-12-05);
+        # the torch codec on the host stays in line, on the worker's own cores.
         if decoder.batches and self.read_ahead:
             logger.info(
                 "csf_loader: the weight stream is decoded on a thread ahead of stock's copies "
-                "(CSF_LOADER_READ_AHEAD=0 keeps it in line)"
+                "(CSF_LOADER_READ_AHEAD=1; 0, the default, keeps it in line)"
             )
             stream = read_ahead(stream, decoder.device)
         yield from stream
