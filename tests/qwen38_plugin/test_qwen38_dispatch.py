@@ -38,9 +38,11 @@ def configs(tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, Any]]:
     from qwen38_plugin import register
 
     register()
-    # output_gate_type set, as stock's GDN layer needs (the plain tiny checkpoint leaves it unset)
-    model = tiny_checkpoint("qwen4_exp_text", overrides={"output_gate_type": "silu"})
+    # output_gate_type set, as stock's GDN layer needs (the plain tiny checkpoint leaves it unset), and
+    # a QSA block top-k stock's CUDA top-k kernel takes (2048 / 4 = 512; the tiny default is 16 / 4 = 4)
+    model = tiny_checkpoint("qwen4_exp_text", overrides={"output_gate_type": "silu", "indexer_budget": 2048})
     unset = tiny_checkpoint("qwen4_exp_text")
+    small_topk = tiny_checkpoint("qwen4_exp_text", overrides={"output_gate_type": "silu"})
     saved = os.environ.pop(FORCE_ENV, None)
     try:
         configs = {
@@ -49,6 +51,9 @@ def configs(tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, Any]]:
         }
         configs["bfloat16-gate-unset"] = EngineArgs(
             model=str(unset), dtype="bfloat16", enforce_eager=True, max_model_len=512
+        ).create_engine_config()
+        configs["bfloat16-topk-4"] = EngineArgs(
+            model=str(small_topk), dtype="bfloat16", enforce_eager=True, max_model_len=512
         ).create_engine_config()
         yield configs
     finally:
@@ -63,6 +68,10 @@ def stock_kernel_packages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dispatch, "STOCK_CUDA_MODULES", (("torch", "torch"),))
 
 
+TOPK_4 = (
+    "indexer_budget 16 / indexer_compress_ratio 4 is a QSA block top-k of 4, and stock's CUDA top-k kernel takes "
+    "512, 1024, 2048 only"
+)
 GATE_UNSET = (
     "the config leaves output_gate_type unset (stock's GDN layer asserts on it; transformers and the portable "
     "model use hidden_act)"
@@ -82,8 +91,11 @@ GATE_UNSET = (
         (CUDA_70, "float16", True, "CUDA capability 7.0 < 8.0"),
         (ROCM, "bfloat16", False, "rocm, bfloat16: stock's runs here"),
         # seen on the H200: stock's engine failed at startup on such a checkpoint
-        (CUDA_90, "bfloat16-gate-unset", True, GATE_UNSET),
+        (CUDA_90, "bfloat16-gate-unset", True, f"{GATE_UNSET}; {TOPK_4}"),  # every reason, in one line
         (ROCM, "bfloat16-gate-unset", True, GATE_UNSET),
+        # seen on an H100: stock's prefill top-k kernel refused a block top-k of 8
+        (CUDA_90, "bfloat16-topk-4", True, TOPK_4),
+        (ROCM, "bfloat16-topk-4", False, "rocm, bfloat16: stock's runs here"),  # another top-k kernel there
     ],
 )
 def test_rule_on_real_configs(configs: dict[str, Any], platform: Any, dtype: str, portable: bool, reason: str) -> None:

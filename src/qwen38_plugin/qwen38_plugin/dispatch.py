@@ -13,7 +13,9 @@ The rule (`decide`): ours where stock's cannot run, stock's everywhere else.
   nor on a checkpoint that leaves ``output_gate_type`` unset (its GDN layer asserts on it, where
   transformers and the portable model use ``hidden_act``), nor on CUDA without the packages its
   kernels import (FlashInfer, the CUTLASS DSL): seen on an H200 with stock vLLM 0.32, where
-  either made the engine fail at startup;
+  either made the engine fail at startup; nor on CUDA with a QSA block top-k
+  (``indexer_budget / indexer_compress_ratio``) its top-k kernel does not take (512, 1024, 2048):
+  seen on an H100, where a block top-k of 8 failed the engine in its first prefill;
 - ``QWEN38_FORCE_PORTABLE=1`` picks ours everywhere; ``=0`` picks stock's everywhere and fails
   at startup, saying why, where stock's cannot run (no silent fallback either way).
 The choice is logged once per process, with the reason.
@@ -121,6 +123,10 @@ def why_stock_cannot_run(target: Target) -> str | None:
 
 # Modules stock's CUDA Qwen4Exp imports while it builds or warms up, and the packages that hold them.
 STOCK_CUDA_MODULES = (("flashinfer", "flashinfer-python"), ("cutlass", "nvidia-cutlass-dsl"))
+# The QSA block top-k (indexer_budget / indexer_compress_ratio) stock's CUDA indexer selects with:
+# its persistent_topk kernel (prefill) takes only these ("persistent_topk supports k=512, k=1024, or
+# k=2048, got k=8" on an H100 with vLLM 0.32, 2026-12-05).
+STOCK_CUDA_BLOCK_TOPKS = (512, 1024, 2048)
 
 
 def stock_lacks(hf_config: Any, platform: str) -> tuple[str, ...]:
@@ -135,6 +141,13 @@ def stock_lacks(hf_config: Any, platform: str) -> tuple[str, ...]:
         missing = [package for module, package in STOCK_CUDA_MODULES if importlib.util.find_spec(module) is None]
         if missing:
             lacks.append(f"stock's CUDA kernels need {' and '.join(missing)}, not installed")
+        budget, ratio = getattr(hf_config, "indexer_budget", None), getattr(hf_config, "indexer_compress_ratio", None)
+        indexed = "indexed_attention" in (getattr(hf_config, "layer_types", None) or ())
+        if indexed and budget is not None and ratio and budget // ratio not in STOCK_CUDA_BLOCK_TOPKS:
+            lacks.append(
+                f"indexer_budget {budget} / indexer_compress_ratio {ratio} is a QSA block top-k of {budget // ratio}, "
+                f"and stock's CUDA top-k kernel takes {', '.join(map(str, STOCK_CUDA_BLOCK_TOPKS))} only"
+            )
     return tuple(lacks)
 
 
