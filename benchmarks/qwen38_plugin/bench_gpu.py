@@ -15,7 +15,10 @@ decode tokens/s from ``B * (new_tokens - 1) / (total - prefill time)``, the fast
 transformers' ``Qwen4ExpForCausalLM.generate`` runs the same prompts as one batch on the same kind
 of GPU (the second GPU, at the same time, where two are visible; else after vLLM on the first).
 With ``--stock``, stock vLLM's own Qwen4Exp (bf16, ``QWEN38_FORCE_PORTABLE=0``) is tried on the
-same checkpoint; what stops it is recorded if it does not start.
+same checkpoint; what stops it is recorded if it does not start. Stock's CUDA top-k kernel takes a
+QSA block top-k (``indexer_budget / indexer_compress_ratio``) of 512, 1024 or 2048 only (an H100 run
+with the medium config's 64 / 8 = 8 failed in its first prefill, 2026-12-05), so ``--stock`` needs
+``--indexer-budget`` (4096 for medium), which every run of the invocation then uses.
 
 The peers (``--modes ...,peer,peer-hybrid``): stock vLLM architectures of the same size run by the
 same child with vLLM's defaults for them (no mode environment, so their default model runner,
@@ -78,14 +81,17 @@ HYBRID_PEER_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_v
                       "linear_num_value_heads", "shared_expert_intermediate_size", "rope_parameters")  # fmt: skip
 
 
-def build_checkpoint(work: Path, config: str, dtype: str, stock_gate: bool) -> Path:
+def build_checkpoint(work: Path, config: str, dtype: str, stock_gate: bool, indexer_budget: int | None = None) -> Path:
     from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
 
     overrides = dict(CONFIGS[config])
+    if indexer_budget is not None:
+        overrides["indexer_budget"] = indexer_budget
     if stock_gate:
         # Stock's GDN layer asserts on an unset output_gate_type; transformers uses hidden_act then.
         overrides["output_gate_type"] = "silu"
-    path = work / f"ckpt-{config}-{dtype}{'-stock-gate' if stock_gate else ''}"
+    budget = f"-budget{indexer_budget}" if indexer_budget is not None else ""
+    path = work / f"ckpt-{config}{budget}-{dtype}{'-stock-gate' if stock_gate else ''}"
     if not path.exists():
         build_tiny_checkpoint(path, "qwen4_exp_text", overrides=overrides, dtype=dtype)
     return path
@@ -399,6 +405,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--stock", action="store_true")
+    parser.add_argument(
+        "--indexer-budget",
+        type=int,
+        help="the QSA token budget of every run's checkpoint (default: --config's); with --stock it must be "
+        "indexer_compress_ratio times 512, 1024 or 2048, the block top-ks stock's CUDA top-k kernel takes",
+    )
     parser.add_argument("--capture-sizes", default="measured", choices=("measured", "vllm"), help=CAPTURE_SIZES_HELP)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--timeout", type=int, default=420)
@@ -406,6 +418,19 @@ def main() -> None:
     parser.add_argument("--model")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    if args.stock and not args.child:
+        from qwen38_plugin.dispatch import STOCK_CUDA_BLOCK_TOPKS
+        from qwen38_plugin.tiny.checkpoints import tiny_config_dict
+
+        fields = tiny_config_dict("qwen4_exp_text", CONFIGS[args.config])
+        ratio = fields["indexer_compress_ratio"]
+        budget = args.indexer_budget or fields["indexer_budget"]
+        if budget // ratio not in STOCK_CUDA_BLOCK_TOPKS:
+            takes = " or ".join(str(ratio * k) for k in STOCK_CUDA_BLOCK_TOPKS)
+            parser.error(
+                f"--stock: the QSA block top-k is {budget} / {ratio} = {budget // ratio}, which stock's CUDA top-k "
+                f"kernel refuses: pass --indexer-budget {takes} (every run then uses it)"
+            )
     if args.child:
         result = child_vllm(args) if args.child == "vllm" else child_transformers(args)
         print("RESULT " + json.dumps(result), flush=True)
@@ -416,12 +441,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out
     work.mkdir(parents=True, exist_ok=True)
-    model = build_checkpoint(work, args.config, args.dtype, stock_gate=False)
+    model = build_checkpoint(work, args.config, args.dtype, stock_gate=False, indexer_budget=args.indexer_budget)
     args.model = str(model)
     config = json.loads((model / "config.json").read_text())
     elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     bandwidth = copy_bandwidth()
-    report: dict[str, Any] = {"config": args.config, "dtype": args.dtype, "copy_bandwidth_GBps": bandwidth / 1e9,
+    report: dict[str, Any] = {"config": args.config, "indexer_budget": config.get("indexer_budget"),
+                              "dtype": args.dtype, "copy_bandwidth_GBps": bandwidth / 1e9,
                               "gpu": torch.cuda.get_device_name(), "capture_sizes": args.capture_sizes,
                               "results": {}}  # fmt: skip
     roof = {b: b / (decode_bytes(config, b, elem) / bandwidth) for b in args.batches}
@@ -465,7 +491,8 @@ def main() -> None:
         report["results"]["transformers"] = finish_child(hf, args.timeout)
         _save(args.out, report)
     if args.stock:
-        stock_model = build_checkpoint(work, args.config, "bfloat16", stock_gate=True)
+        budget = args.indexer_budget
+        stock_model = build_checkpoint(work, args.config, "bfloat16", stock_gate=True, indexer_budget=budget)
         stock_args = argparse.Namespace(**vars(args))
         stock_args.model, stock_args.dtype, stock_args.mode = str(stock_model), "bfloat16", "graphs"
         report["results"]["stock-bf16"] = run_child(
