@@ -179,9 +179,10 @@ c)
         # one GPU: CSF's serving at TP=1 then the Qwen4Exp check, one budget (the kernels were proven
         # on 2026-11-30; add them with CSF_STEPS=kernels,serve,qwen4exp; CSF_CODECS=mxfp4: one codec)
         # (CSF_LOAD_READ_AHEAD=1: the load step also loads each CSF checkpoint with its stream on a
-        # thread ahead of stock's copies, the read-ahead's A/B in the same run; about 12 s a load)
+        # thread ahead of stock's copies, the read-ahead's A/B in the same run; about 12 s a load;
+        # CSF_REPEATS: loads of each checkpoint, default 3, the first of them compiling)
         timeout $(lim 580) $csf "$res/csf-serve" --only "${CSF_STEPS:-serve,qwen4exp}" --budget $(($(lim 580) - 10)) \
-            --codecs "${CSF_CODECS:-nvfp4,mxfp4}" ${CSF_LOAD_READ_AHEAD:+--read-ahead} --work $work/csf >"$res/csf-serve.log" 2>&1
+            --codecs "${CSF_CODECS:-nvfp4,mxfp4}" ${CSF_LOAD_READ_AHEAD:+--read-ahead} --repeats "${CSF_REPEATS:-3}" --work $work/csf >"$res/csf-serve.log" 2>&1
         tail -30 "$res/csf-serve.log"
     else
         # CSF (issue 14 item 2): the tiny Qwen4Exp's NVFP4-CSF on GPU 1 while GPU 0 runs CSF's kernels
