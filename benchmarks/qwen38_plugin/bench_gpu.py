@@ -419,18 +419,18 @@ def main() -> None:
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.stock and not args.child:
-        from qwen38_plugin.dispatch import STOCK_CUDA_BLOCK_TOPKS
+        from types import SimpleNamespace
+
+        from qwen38_plugin.dispatch import STOCK_CUDA_BLOCK_TOPKS, stock_cuda_topk_refuses
         from qwen38_plugin.tiny.checkpoints import tiny_config_dict
 
         fields = tiny_config_dict("qwen4_exp_text", CONFIGS[args.config])
-        ratio = fields["indexer_compress_ratio"]
-        budget = args.indexer_budget or fields["indexer_budget"]
-        if budget // ratio not in STOCK_CUDA_BLOCK_TOPKS:
-            takes = " or ".join(str(ratio * k) for k in STOCK_CUDA_BLOCK_TOPKS)
-            parser.error(
-                f"--stock: the QSA block top-k is {budget} / {ratio} = {budget // ratio}, which stock's CUDA top-k "
-                f"kernel refuses: pass --indexer-budget {takes} (every run then uses it)"
-            )
+        if args.indexer_budget is not None:
+            fields["indexer_budget"] = args.indexer_budget
+        refused = stock_cuda_topk_refuses(SimpleNamespace(**fields))
+        if refused is not None:
+            takes = " or ".join(str(fields["indexer_compress_ratio"] * k) for k in STOCK_CUDA_BLOCK_TOPKS)
+            parser.error(f"--stock: {refused}: pass --indexer-budget {takes} (every run then uses it)")
     if args.child:
         result = child_vllm(args) if args.child == "vllm" else child_transformers(args)
         print("RESULT " + json.dumps(result), flush=True)

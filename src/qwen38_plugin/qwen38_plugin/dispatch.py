@@ -129,6 +129,18 @@ STOCK_CUDA_MODULES = (("flashinfer", "flashinfer-python"), ("cutlass", "nvidia-c
 STOCK_CUDA_BLOCK_TOPKS = (512, 1024, 2048)
 
 
+def stock_cuda_topk_refuses(hf_config: Any) -> str | None:
+    """Why stock's CUDA top-k kernel would refuse this config's QSA block top-k, or None."""
+    budget, ratio = getattr(hf_config, "indexer_budget", None), getattr(hf_config, "indexer_compress_ratio", None)
+    indexed = "indexed_attention" in (getattr(hf_config, "layer_types", None) or ())
+    if not indexed or budget is None or not ratio or budget // ratio in STOCK_CUDA_BLOCK_TOPKS:
+        return None
+    return (
+        f"indexer_budget {budget} / indexer_compress_ratio {ratio} is a QSA block top-k of {budget // ratio}, "
+        f"and stock's CUDA top-k kernel takes {', '.join(map(str, STOCK_CUDA_BLOCK_TOPKS))} only"
+    )
+
+
 def stock_lacks(hf_config: Any, platform: str) -> tuple[str, ...]:
     """What stock's Qwen4ExpForCausalLM needs that this checkpoint or installation lacks."""
     lacks = []
@@ -141,13 +153,9 @@ def stock_lacks(hf_config: Any, platform: str) -> tuple[str, ...]:
         missing = [package for module, package in STOCK_CUDA_MODULES if importlib.util.find_spec(module) is None]
         if missing:
             lacks.append(f"stock's CUDA kernels need {' and '.join(missing)}, not installed")
-        budget, ratio = getattr(hf_config, "indexer_budget", None), getattr(hf_config, "indexer_compress_ratio", None)
-        indexed = "indexed_attention" in (getattr(hf_config, "layer_types", None) or ())
-        if indexed and budget is not None and ratio and budget // ratio not in STOCK_CUDA_BLOCK_TOPKS:
-            lacks.append(
-                f"indexer_budget {budget} / indexer_compress_ratio {ratio} is a QSA block top-k of {budget // ratio}, "
-                f"and stock's CUDA top-k kernel takes {', '.join(map(str, STOCK_CUDA_BLOCK_TOPKS))} only"
-            )
+        refused = stock_cuda_topk_refuses(hf_config)
+        if refused is not None:
+            lacks.append(refused)
     return tuple(lacks)
 
 
