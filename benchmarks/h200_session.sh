@@ -337,11 +337,14 @@ l)
     if [ ! -f "$paths" ]; then
         echo "part l: $paths is missing: run part k on this machine first"
     else
+        # (DFlash drafts as many tokens as its drafter was trained for, read from the report; MTP 3; a setting
+        # the report lacks, e.g. mtp after --methods dflash, stops at once with the reason)
         for spec in dflash mtp none; do
             CUDA_VISIBLE_DEVICES=0 timeout $(lim 200) python3 benchmarks/qwen38_plugin/profile_gpu.py \
-                "$res/profile-trained-$spec" --speculative $spec --drafts 3 --batches 1 --steps 127 --work $work/q38 \
+                "$res/profile-trained-$spec" --speculative $spec --batches 1 --steps 127 --work $work/q38 \
                 --trained "$paths" >"$res/profile-trained-$spec.log" 2>&1
-            grep -E '^(none|dflash3|mtp3) batch' "$res/profile-trained-$spec.log" || tail -3 "$res/profile-trained-$spec.log"
+            grep -E '^(none|dflash[0-9]+|mtp[0-9]+) batch' "$res/profile-trained-$spec.log" ||
+                tail -3 "$res/profile-trained-$spec.log"
         done
     fi
     ;;

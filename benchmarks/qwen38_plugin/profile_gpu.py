@@ -95,7 +95,8 @@ def main() -> None:
     mode.add_argument("--enforce-eager", action="store_true")
     mode.add_argument("--compiled", action="store_true", help="torch.compile instead of breakable CUDA graphs")
     parser.add_argument("--speculative", choices=["mtp", "dflash", "none"])
-    parser.add_argument("--drafts", type=int, default=3)
+    parser.add_argument("--drafts", type=int, help="draft tokens a step (default 3; with --trained and dflash, the "
+                        "count its drafter was trained for)")  # fmt: skip
     parser.add_argument("--work", type=Path)
     parser.add_argument("--model", type=Path, help="a checkpoint directory to profile instead of --config's")
     parser.add_argument("--capture-sizes", default="measured", choices=("measured", "vllm"), help=CAPTURE_SIZES_HELP)
@@ -108,6 +109,8 @@ def main() -> None:
         parser.error(f"--model {args.model}: no config.json there; give a checkpoint directory")
     if args.trained:
         trained_setting(parser, args)
+    if args.drafts is None:
+        args.drafts = 3
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.compiled:
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
@@ -192,7 +195,8 @@ def trained_setting(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if not args.speculative:
         parser.error("--trained: give --speculative none|mtp|dflash (the trained setting to serve)")
     try:
-        paths = json.loads(args.trained.read_text())["paths"]
+        report = json.loads(args.trained.read_text())
+        paths = report["paths"]
     except (OSError, ValueError, KeyError) as exc:
         parser.error(f"--trained {args.trained}: no bench_mtp_trained.py report with its 'paths' ({exc!r}); "
                      "run bench_mtp_trained.py past its dflash-train stage first")  # fmt: skip
@@ -204,6 +208,13 @@ def trained_setting(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     args.drafter = Path(paths["dflash"]) if args.speculative == "dflash" else None
     args.corpus = Path(paths["corpus"])
     args.prompt_len = PROMPT_LEN  # the corpus windows' length
+    trained_drafts = report.get("dflash_train", {}).get("drafts")
+    if args.speculative == "dflash" and trained_drafts:
+        # a DFlash drafter drafts the block it was trained for; serving it with another count is another setting
+        if args.drafts not in (None, trained_drafts):
+            parser.error(f"--drafts {args.drafts}: the trained drafter drafts {trained_drafts} tokens a step; "
+                         "leave --drafts out or give that")  # fmt: skip
+        args.drafts = trained_drafts
 
 
 def verify_steps(llm: Any) -> float:
