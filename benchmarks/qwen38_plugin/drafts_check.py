@@ -21,7 +21,8 @@ those are not the dtype's noise. OUT/drafts_check.json holds the drafts, the ref
 margins. On CPU with ``--dtype float32`` and no ``--graphs`` it is the tests' comparison (a check of
 this script). On CPU, 2026-12-02 (DFlash): float32 0 of 99 drafts differ; bfloat16 9 differ, none
 clearly (all within 0.05 of a tie); float16 0 differ; 2026-12-03 (MTP): float32 0 of 99; 2026-12-04 (MTP,
-``--requests 1``): float32 0 of 33. On the H200
+``--requests 1``): float32 0 of 33; 2026-12-06 (DFlash, ``--drafts 4``): float32 0 of 132 (three requests) and 0 of 44
+(``--requests 1``). On the H200
 (V2 runner) float32 is refused (vLLM's GDN prefill kernel); the first DFlash run there, before the
 draft handler was read, recorded only placeholders (now refused: nothing compared).
 """
@@ -56,7 +57,12 @@ def main() -> None:
         default=3,
         help="how many of the three prompts the engine serves together (1: the first alone, a batch of one)",
     )
+    parser.add_argument("--drafts", type=int, default=3, help="draft tokens a step (the drafter is built for them)")
     args = parser.parse_args()
+    if args.drafts < 1:
+        parser.error(f"--drafts {args.drafts}: give at least 1")
+    # read by the test module at import (the drafter's block) and by the engine subprocess (its speculative config)
+    os.environ["DRAFTER_CHECK_DRAFTS"] = str(args.drafts)
 
     import torch
 
@@ -70,7 +76,7 @@ def main() -> None:
         build_tiny_checkpoint(
             target, "qwen4_exp_text", overrides=MTP if args.method == "mtp" else None, dtype="float32"
         )
-    drafter_dir, drafter = args.work / "drafter", None
+    drafter_dir, drafter = args.work / f"drafter-{args.drafts}", None
     if args.method == "dflash":
         shutil.rmtree(drafter_dir, ignore_errors=True)
         drafter = build_drafter(target, drafter_dir)
@@ -112,6 +118,7 @@ def main() -> None:
             counts["differ_clearly"] += d != r and margin[j] > args.clear_margin
     summary = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", "method": args.method,
                "dtype": args.dtype, "graphs": args.graphs, "requests": args.requests, "steps": len(served),
+               "drafts_per_step": args.drafts,
                "drafts": sum(c["drafts"] for c in by_position.values()),
                "differ": sum(c["differ"] for c in by_position.values()),
                "differ_clearly": sum(c["differ_clearly"] for c in by_position.values()),

@@ -34,7 +34,9 @@ import torch
 from tests.engines import run_engine_script
 
 HERE = Path(__file__).resolve()
-DRAFTS = 3
+# DRAFTER_CHECK_DRAFTS: another draft count for drafts_check.py --drafts (the tests use 3); read here so the
+# engine side (a subprocess) and the drafter built for it agree
+DRAFTS = int(os.environ.get("DRAFTER_CHECK_DRAFTS", "3"))
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 23, 41)
 MASK_TOKEN_ID = 248063  # <|fim_pad|> of the Qwen3.6 tokenizer
