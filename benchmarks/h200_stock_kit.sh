@@ -2,14 +2,14 @@
 # What stock vLLM's own Qwen4Exp needs on the lent H200 beyond ../shared/tools/h200-vllm-kit's five
 # folders (issue 10: "try stock's Qwen4Exp in bf16 ... report ours against stock side by side if it
 # runs, or what stops it"): FlashInfer (stock's GDN prefill and the norm kernels its QSA indexer
-# imports) and NVIDIA's CUTLASS DSL with quack-kernels (its hyper-connection kernels: the fused HC
-# down + SiLU imports quack.compile_utils when it first compiles, in the CUDA-graph memory profile;
-# 2026-12-06 stock's engine stopped there on "No module named 'quack'"), at the versions vLLM
-# 0.32.0's wheel pins (flashinfer-python==0.7.0.post1, nvidia-cutlass-dsl[cu13]==4.8.0,
-# quack-kernels==0.6.5; its tilelang pin is left out: only vLLM's mHC layer imports it, and
-# quack's torch-c-dlpack-ext ships no build for the image's torch 2.11, which has DLPack's C
-# exchange itself), with the packages they import that the H200 image lacks (its image has cuda-bindings, cuda-core, cuda-pathfinder,
-# nvidia-ml-py, ninja, einops and nvcc 13.0, which FlashInfer's JIT uses).
+# imports), NVIDIA's CUTLASS DSL and quack-kernels (its hyper-connection kernels; the fused HC
+# down + SiLU imports quack.compile_utils when it first compiles, in vLLM's CUDA-graph memory
+# profile: on 2026-12-06 stock's engine stopped there on "No module named 'quack'"), at the versions
+# vLLM 0.32.0's wheel pins (flashinfer-python==0.7.0.post1, nvidia-cutlass-dsl[cu13]==4.8.0,
+# quack-kernels==0.6.5), with the packages they import that the H200 image lacks (its image has
+# cuda-bindings, cuda-core, cuda-pathfinder, nvidia-ml-py, ninja, einops and nvcc 13.0, which
+# FlashInfer's JIT uses). Left out: vLLM's tilelang pin (only its mHC layer imports it) and quack's
+# torch-c-dlpack-ext (no quack module imports it; its 0.1.5 wheel holds builds for torch 2.4-2.9 only).
 #
 #     bash benchmarks/h200_stock_kit.sh      # from the project root, after h200-vllm-kit: .kit6 ...
 #
