@@ -95,3 +95,34 @@ def test_unset_output_gate_type_follows_hidden_act(checkpoint: Path, tmp_path: P
         model = initialize_model(vllm_config, model_class=PortableQwen4ExpForCausalLM)
     gates = {layer.linear_attn.norm.activation for layer in model.model.layers if hasattr(layer, "linear_attn")}
     assert gates == {model.config.hidden_act} == {"silu"}  # stock asserts on an unset field
+
+
+def test_gdn_prefill_takes_triton_where_flashinfer_cannot_take_the_head_dims(checkpoint: Path) -> None:
+    """vLLM's "auto" picks FlashInfer's GDN prefill on Hopper whatever the head dims, and that kernel
+    raised "DSL kernel only supports D=128, got 32" at the first prefill of a tiny checkpoint on the
+    H100 (2026-12-06, with FlashInfer installed). Unset, the backend becomes Triton there; asked
+    for by name, FlashInfer is refused at startup naming the option, the fields and the fix."""
+    from qwen38_plugin.model import ConfigError
+    from qwen38_plugin.vllm_gdn import gdn_prefill_backend, prefer_triton_prefill
+
+    assert gdn_prefill_backend(None, 128, 128, flashinfer_installed=True) is None
+    assert gdn_prefill_backend("auto", 128, 128, flashinfer_installed=True) is None
+    assert gdn_prefill_backend(None, 128, 128, flashinfer_installed=False) == "triton"
+    assert gdn_prefill_backend(None, 32, 32, flashinfer_installed=True) == "triton"
+    assert gdn_prefill_backend(None, 128, 64, flashinfer_installed=True) == "triton"
+    assert gdn_prefill_backend("triton", 32, 32, flashinfer_installed=True) is None
+    assert gdn_prefill_backend("flashinfer", 128, 128, flashinfer_installed=True) is None
+
+    config = _engine_config(checkpoint, dtype="float32")
+    text = config.model_config.hf_text_config
+    assert (text.linear_key_head_dim, text.linear_value_head_dim) != (128, 128)
+    prefer_triton_prefill(config)
+    assert config.additional_config["gdn_prefill_backend"] == "triton"
+
+    asked = _engine_config(checkpoint, dtype="float32", gdn_prefill_backend="flashinfer")
+    expected = (
+        rf"--gdn-prefill-backend flashinfer .* linear_key_head_dim and linear_value_head_dim to be 128 .* "
+        rf"has {text.linear_key_head_dim} and {text.linear_value_head_dim}\. .* --gdn-prefill-backend triton"
+    )
+    with pytest.raises(ConfigError, match=expected):
+        prefer_triton_prefill(asked)
