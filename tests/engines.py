@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import os
 import subprocess
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -70,7 +71,9 @@ def engine_cores(count: int = 1) -> Iterator[str]:
     """`hold_cores` for an engine (1 core, or 2 for a two-rank engine); yields the
     ``VLLM_CPU_OMP_THREADS_BIND`` value for them ("1", or "0|1"), which is also set in
     ``os.environ`` for the duration, so a server or engine subprocess started inside binds to them."""
+    asked = time.monotonic()
     with hold_cores(count) as held:
+        got = time.monotonic()
         bind = "|".join(str(core) for core in held)
         previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
@@ -81,6 +84,20 @@ def engine_cores(count: int = 1) -> Iterator[str]:
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
             else:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+            _log_engine_time(count, got - asked, time.monotonic() - got)
+
+
+def _log_engine_time(cores: int, waited: float, held: float) -> None:
+    """With ``QWEN38_ENGINE_TIMES=FILE``, one line per engine: the test (pytest's id and phase), the
+    cores held, seconds waited for them and seconds held. pytest's ``--durations`` counts the wait
+    for another worker's engine as the waiting test's own time; this separates the two, which is
+    what deciding where the suite's time goes needs."""
+    target = os.environ.get("QWEN38_ENGINE_TIMES")
+    if not target:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "-").replace("\t", " ")
+    with open(target, "a") as f:
+        f.write(f"{held:8.1f} {waited:7.1f} {cores} {test}\n")
 
 
 def run_engine_script(
