@@ -466,7 +466,7 @@ def main() -> None:
     summary: dict[str, Any] = {"gpus": gpus, "name": torch.cuda.get_device_name() if gpus else None}
     if "ops" in only:
         tests = [
-            "tests/qwen38_plugin/cuda",
+            "tests/qwen38_plugin/on_cuda",
             "tests/qwen38_plugin/test_qwen38_qsa_paged.py",
             "tests/qwen38_plugin/test_qwen38_fused_ops.py",
             "tests/qwen38_plugin/test_qwen38_gdn_varlen.py",

@@ -3,7 +3,7 @@
 Runs everywhere; the CUDA parts skip, saying why, on machines without a CUDA device or without
 fla-core (the plugin's ``[cuda]`` extra). On a CUDA machine:
 
-    python -m pytest --noconftest tests/qwen38_plugin/cuda -q -rA
+    python -m pytest --noconftest tests/qwen38_plugin/on_cuda -q -rA
 
 (``--noconftest``: the repository's conftest starts vLLM servers, which a bare GPU box lacks.)
 The last run's output is in benchmarks/qwen38_plugin/results/gdn_cuda_checks.txt.
