@@ -10,7 +10,7 @@ ones whose 32 decode steps cross a KV block boundary; a step budget of 64 tokens
 
 A third start, at TP=2 on a checkpoint with a single KV head, replicates that head on both ranks
 (as Flash-Next's 2 KV heads are replicated at TP=4); a fourth, at TP=2 on a checkpoint whose GDN
-key heads cannot be split over 2 ranks, must fail and name the head count.
+key heads cannot be split over 2 ranks, must fail while vLLM builds its config and name the head count.
 """
 
 from __future__ import annotations
@@ -146,3 +146,5 @@ def test_geometry_that_cannot_split_fails_at_startup_naming_the_head_count(
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "linear_num_key_heads: 1 heads cannot be split over tensor_parallel_size=2" in log
+    # while vLLM built its config (the config hook), before any worker started
+    assert "validation error for VllmConfig" in log and "world_size=2" not in log, log[-3000:]

@@ -13,6 +13,10 @@ before the proposer is built, so the buffer is ``hc * H`` wide. No vLLM function
 The V2 model runner's speculator widens by ``hc_mult`` on its own (keyed on the target having
 `get_mtp_target_hidden_states`) and never reads ``compress_ratios``.
 
+Where the portable model is chosen, the hook also runs its startup refusals and settles its GDN
+prefill kernel (`refuse_early`, `qwen38_plugin.vllm_startup`), so a config it cannot serve fails in
+seconds instead of after the workers start.
+
 The hook runs for stock's and the portable model alike (the buffer is the proposer's, whichever
 model drafts).
 
@@ -127,12 +131,24 @@ def install() -> list[str]:
             )
         if getattr(stock, "qwen38_wraps", None) is not None:
             continue
-        table[architecture] = _wrapped(stock)
+        table[architecture] = _wrapped(stock, architecture)
         installed.append(f"{architecture} config hook (MTP draft buffer of hc * H)")
     return installed
 
 
-def _wrapped(stock: Any) -> Any:
+def refuse_early(vllm_config: VllmConfig, architecture: str = ARCHITECTURE) -> bool:
+    """Where the dispatcher picks the portable model, its startup refusals and its GDN prefill
+    choice (`vllm_startup`) run here, in the process that builds the config, before any worker
+    starts. True when they ran."""
+    if not choose(vllm_config, architecture).portable:
+        return False
+    from qwen38_plugin.vllm_startup import settle_portable_config
+
+    settle_portable_config(vllm_config)
+    return True
+
+
+def _wrapped(stock: Any, architecture: str) -> Any:
     stock_hook = stock.verify_and_update_config
 
     class WrappedConfig(stock):
@@ -141,6 +157,7 @@ def _wrapped(stock: Any) -> Any:
         @staticmethod
         def verify_and_update_config(vllm_config: VllmConfig) -> None:
             run_stock_hook(stock_hook, vllm_config)
+            refuse_early(vllm_config, architecture)
             widen_draft_hidden_buffer(vllm_config)
             keep_full_graphs_out_of_the_v1_runner(vllm_config)
 

@@ -20,7 +20,7 @@ this subclass changes:
 - **Prefill kernel.** Stock picks FlashInfer's GDN prefill on Hopper; where FlashInfer is not
   installed (the portable model's platforms never have it), or its kernel cannot take the head
   dims (128 only), the Triton kernel is used, decided once per config so the layers and vLLM's
-  GDN metadata builder agree (`prefer_triton_prefill`).
+  GDN metadata builder agree (`vllm_startup.prefer_triton_prefill`).
 
 This module imports vLLM; it is loaded only when vLLM builds the model.
 """
@@ -28,7 +28,6 @@ This module imports vLLM; it is loaded only when vLLM builds the model.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -43,50 +42,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, get_kv_cache_torch_dtype
 
 from qwen38_plugin import vllm_ops
-from qwen38_plugin.model import ConfigError
 from qwen38_plugin.ops import gdn, gdn_varlen
-
-# FlashInfer's Hopper GDN prefill (the version vLLM 0.32 pins) takes head dims of 128 only and raises
-# "DSL kernel only supports D=128" at the first prefill otherwise, while vLLM's "auto" picks it on
-# SM90 whatever the head dims (it checks them on Blackwell only).
-FLASHINFER_GDN_HEAD_DIM = 128
-
-
-def gdn_prefill_backend(
-    requested: object, head_k_dim: int, head_v_dim: int, *, flashinfer_installed: bool
-) -> str | None:
-    """The ``gdn_prefill_backend`` to set before vLLM's GDN layers are built, or None to keep the
-    request. Unset: Triton where FlashInfer is missing or cannot take the head dims; an explicit
-    "flashinfer" that cannot take them is refused here, at startup, naming both fields."""
-    fits = head_k_dim == FLASHINFER_GDN_HEAD_DIM and head_v_dim == FLASHINFER_GDN_HEAD_DIM
-    if requested is None or str(requested).strip().lower() == "auto":
-        return None if flashinfer_installed and fits else "triton"
-    if str(requested).strip().lower() == "flashinfer" and not fits:
-        raise ConfigError(
-            f"--gdn-prefill-backend flashinfer (additional_config gdn_prefill_backend) needs the config's "
-            f"linear_key_head_dim and linear_value_head_dim to be {FLASHINFER_GDN_HEAD_DIM} (FlashInfer's GDN prefill "
-            f"takes no other); this checkpoint has {head_k_dim} and {head_v_dim}. Leave the option out or pass "
-            "--gdn-prefill-backend triton."
-        )
-    return None
-
-
-def prefer_triton_prefill(vllm_config: VllmConfig) -> None:
-    """Settle vLLM's GDN prefill kernel once per config (`gdn_prefill_backend`).
-
-    vLLM's GDN layer and its metadata builder both read ``additional_config["gdn_prefill_backend"]``
-    ("auto" picks FlashInfer on Hopper); set before either is built, so they agree.
-    """
-    extra = vllm_config.additional_config
-    if not isinstance(extra, dict):
-        return
-    config = vllm_config.model_config.hf_text_config
-    choice = gdn_prefill_backend(
-        extra.get("gdn_prefill_backend"), config.linear_key_head_dim, config.linear_value_head_dim,
-        flashinfer_installed=importlib.util.find_spec("flashinfer") is not None,
-    )  # fmt: skip
-    if choice is not None:
-        extra["gdn_prefill_backend"] = choice
 
 
 def gdn_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:

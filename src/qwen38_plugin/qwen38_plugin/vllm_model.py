@@ -47,11 +47,10 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from qwen38_plugin.dispatch import logger
-from qwen38_plugin.model import ConfigError, GatedResidual, check_config, check_tensor_parallel
+from qwen38_plugin.model import GatedResidual
 from qwen38_plugin.ops import hyper_connection
 from qwen38_plugin.vllm_gdn import (
     PortableGatedDeltaNet,
-    prefer_triton_prefill,
     slot_state_copy_funcs,
     slot_state_dtypes,
     slot_state_shapes,
@@ -60,6 +59,7 @@ from qwen38_plugin.vllm_ple import NGramTable, PortablePLE
 from qwen38_plugin.vllm_qsa import PortableQSAAttention, RotaryTable
 from qwen38_plugin.vllm_qsa_cache import model_dtype
 from qwen38_plugin.vllm_quant import configure_quantization
+from qwen38_plugin.vllm_startup import check_vllm_config, prefer_triton_prefill
 
 # The QSA and shared-expert projections fused in vLLM's modules (the MTP head has them too).
 QSA_MOE_STACKED: dict[str, tuple[str, Any]] = {
@@ -83,45 +83,6 @@ _WEIGHTS_MAPPER = WeightsMapper(
 )
 _PLE_SHARD = ".ple_embedding.ngram_embedding.shard_"
 _PLE_SCALE = ".ple_embedding.ngram_embedding.weight_scale"
-
-
-def check_vllm_config(vllm_config: VllmConfig, on_cuda: bool | None = None) -> None:
-    """What the portable model refuses at startup, each naming the option or field and the fix
-    (``on_cuda``: the platform's, unless given)."""
-    config = vllm_config.model_config.hf_text_config
-    if on_cuda is None:
-        from vllm.platforms import current_platform
-
-        on_cuda = current_platform.is_cuda_alike()
-    if on_cuda and vllm_config.model_config.dtype == torch.float32:
-        # Found on the H200: vLLM's Gated DeltaNet prefill kernel (its copy of fla's chunked delta
-        # rule) asserts on float32 during the profiling run, for stock's GDN models too.
-        raise ConfigError(
-            "--dtype float32: on CUDA vLLM's Gated DeltaNet prefill kernel supports float16 and bfloat16 "
-            "only; serve with --dtype float16 or --dtype bfloat16 (float32 runs on CPU)"
-        )
-    rope = config.rope_parameters or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
-        raise ConfigError(
-            f"rope_parameters.rope_type: {rope_type!r} is not implemented by the portable Qwen4Exp model (it would "
-            "run with unscaled RoPE); serve a checkpoint with the default RoPE"
-        )
-    parallel = vllm_config.parallel_config
-    dcp = parallel.decode_context_parallel_size
-    if dcp > 1 and vllm_config.speculative_config is not None:
-        # The QSA layers split their K/V over the DCP group; the draft layers' attention does not yet.
-        raise ConfigError(
-            f"--decode-context-parallel-size {dcp} with --speculative-config: the portable Qwen4Exp model's draft "
-            "layers do not split their K/V over decode-context-parallel ranks yet; drop one of the two"
-        )
-    if parallel.prefill_context_parallel_size > 1:
-        raise ConfigError(
-            f"--prefill-context-parallel-size {parallel.prefill_context_parallel_size}: the portable Qwen4Exp model "
-            "does not support prefill context parallelism; leave it at 1"
-        )
-    check_config(config)
-    check_tensor_parallel(config, vllm_config.parallel_config.tensor_parallel_size, split_vocabulary=False)
 
 
 # A block's output and its injection weights ([T, H], [T, hc]) not yet added to the streams.
