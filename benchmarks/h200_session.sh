@@ -83,6 +83,8 @@
 #      engine process each, profile_gpu.py --speculative mtp), since one pair's wall times differed by more than
 #      the host's speed between processes (2026-12-03: results/h200_bench_mtp_trained.txt).
 #   v: exactness in vLLM's V1 model runner (GPU 1) beside fp16 eager in the V2 runner (GPU 0).
+#   h: the tiny target's greedy tokens against transformers, fp16 with CUDA graphs in the V2 runner alone
+#      (gpu_session.py --only exact; a quick check after a change, e.g. with the stock kit's FlashInfer present).
 #   f: does vLLM on the GPU draft what the DFlash reference drafts (drafts_check.py: the tiny target
 #      and a random drafter, every step's drafts against the fp32 reference): fp16 with CUDA graphs (three
 #      requests together, then one alone), fp16 eager, bf16 eager (2026-12-02: a trained drafter predicted
@@ -266,6 +268,11 @@ k)
     timeout $(lim 580) python3 benchmarks/qwen38_plugin/bench_mtp_trained.py "$res/mtp" --work $work/mtp \
         --timeout 300 ${MTP_ARGS:-} >"$res/bench_mtp.log" 2>&1
     grep -v '^train: step' "$res/bench_mtp.log" | tail -25
+    ;;
+h)
+    timeout $(lim 280) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 --modes graphs \
+        --work $work/q38 >"$res/exact.log" 2>&1
+    tail -5 "$res/exact.log"
     ;;
 f)
     # (float32 is refused on CUDA: vLLM's GDN prefill kernel; the graphs variant first compiles and
@@ -454,7 +461,7 @@ y)
     tail -30 "$res/bench_qsa_paged.log"
     ;;
 *)
-    echo "part: a, b, c, d, e, f, g, j, k, m, n, o, p, q, r, s, t, u, v, w, x or y" >&2
+    echo "part: a, b, c, d, e, f, g, h, j, k, l, m, n, o, p, q, r, s, t, u, v, w, x or y" >&2
     exit 2
     ;;
 esac
