@@ -38,7 +38,7 @@ def checkpoint(tiny_checkpoint: Callable[..., Path]) -> Path:
 
 
 def test_accepts_the_tiny_checkpoint_on_cpu_and_fp16_on_cuda(checkpoint: Path) -> None:
-    from qwen38_plugin.vllm_model import check_vllm_config
+    from qwen38_plugin.vllm_startup import check_vllm_config
 
     check_vllm_config(_engine_config(checkpoint, dtype="float32"))
     check_vllm_config(_engine_config(checkpoint, dtype="float16"), on_cuda=True)
@@ -46,7 +46,7 @@ def test_accepts_the_tiny_checkpoint_on_cpu_and_fp16_on_cuda(checkpoint: Path) -
 
 def test_refuses_float32_on_cuda_naming_the_option(checkpoint: Path) -> None:
     from qwen38_plugin.model import ConfigError
-    from qwen38_plugin.vllm_model import check_vllm_config
+    from qwen38_plugin.vllm_startup import check_vllm_config
 
     with pytest.raises(ConfigError, match=r"--dtype float32: .* serve with --dtype float16 or --dtype bfloat16"):
         check_vllm_config(_engine_config(checkpoint, dtype="float32"), on_cuda=True)
@@ -68,14 +68,14 @@ def test_decode_context_parallelism_is_accepted_but_not_beside_speculation(
     # DCP splits the QSA layers' K/V (test_qwen38_tp_engine.py serves it); the draft layers' attention does not
     # split theirs, so speculation beside it is refused naming both options. One KV head: vLLM wants more
     # tensor-parallel ranks than KV heads for DCP.
-    from qwen38_plugin.vllm_model import check_vllm_config
+    from qwen38_plugin.vllm_startup import check_vllm_config
 
     one_kv_head = {"num_key_value_heads": 1}
     dcp = {"dtype": "float32", "tensor_parallel_size": 2, "decode_context_parallel_size": 2}
     check_vllm_config(_engine_config(tiny_checkpoint("qwen4_exp_text", overrides=one_kv_head, dtype="float32"), **dcp))
     mtp = tiny_checkpoint("qwen4_exp_text", overrides={**one_kv_head, "mtp_num_hidden_layers": 1}, dtype="float32")
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
     with pytest.raises(ValueError, match=r"--decode-context-parallel-size 2 with --speculative-config: .* drop one"):
-        spec = {"method": "mtp", "num_speculative_tokens": 1}
         _engine_config(mtp, **dcp, speculative_config=spec, enable_prefix_caching=False)
 
 

@@ -91,11 +91,10 @@ def test_tp2_greedy_tokens_equal_transformers(tp2_run: dict[str, Any], reference
 
 
 def test_preempted_requests_produce_the_unpreempted_tokens(tp2_run: dict[str, Any], reference: list[list[int]]) -> None:
-    run = tp2_run
-    assert run["preemptions"]["solo"] == 0, "one request at a time must fit in the KV budget"
-    assert run["preemptions"]["together"] > 0, "the KV budget no longer forces a preemption; lower it"
-    assert run["tokens"] == run["solo"]
-    assert run["tokens"] == reference
+    assert tp2_run["preemptions"]["solo"] == 0, "one request at a time must fit in the KV budget"
+    assert tp2_run["preemptions"]["together"] > 0, "the KV budget no longer forces a preemption; lower it"
+    assert tp2_run["tokens"] == tp2_run["solo"]
+    assert tp2_run["tokens"] == reference
 
 
 def test_tp2_with_a_replicated_kv_head_equals_transformers(

@@ -136,16 +136,14 @@ def install() -> list[str]:
     return installed
 
 
-def refuse_early(vllm_config: VllmConfig, architecture: str = ARCHITECTURE) -> bool:
+def refuse_early(vllm_config: VllmConfig, architecture: str = ARCHITECTURE) -> None:
     """Where the dispatcher picks the portable model, its startup refusals and its GDN prefill
     choice (`vllm_startup`) run here, in the process that builds the config, before any worker
-    starts. True when they ran."""
-    if not choose(vllm_config, architecture).portable:
-        return False
-    from qwen38_plugin.vllm_startup import settle_portable_config
+    starts."""
+    if choose(vllm_config, architecture).portable:
+        from qwen38_plugin.vllm_startup import settle_portable_config
 
-    settle_portable_config(vllm_config)
-    return True
+        settle_portable_config(vllm_config)
 
 
 def _wrapped(stock: Any, architecture: str) -> Any:

@@ -59,7 +59,7 @@ from qwen38_plugin.vllm_ple import NGramTable, PortablePLE
 from qwen38_plugin.vllm_qsa import PortableQSAAttention, RotaryTable
 from qwen38_plugin.vllm_qsa_cache import model_dtype
 from qwen38_plugin.vllm_quant import configure_quantization
-from qwen38_plugin.vllm_startup import check_vllm_config, prefer_triton_prefill
+from qwen38_plugin.vllm_startup import settle_portable_config
 
 # The QSA and shared-expert projections fused in vLLM's modules (the MTP head has them too).
 QSA_MOE_STACKED: dict[str, tuple[str, Any]] = {
@@ -211,14 +211,13 @@ class PortableQwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMa
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
-        check_vllm_config(vllm_config)
+        settle_portable_config(vllm_config)  # as the config hook did, for a config built another way
         configure_quantization(vllm_config, self.packed_modules_mapping)
         config = vllm_config.model_config.hf_text_config
         if config.output_gate_type is None:
             # transformers gates the GDN output with hidden_act when the field is unset;
             # vLLM's GDN layer reads the field.
             config.output_gate_type = config.hidden_act
-        prefer_triton_prefill(vllm_config)
         self.config = config
         self.vllm_config = vllm_config
         self.model = PortableQwen4ExpModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))

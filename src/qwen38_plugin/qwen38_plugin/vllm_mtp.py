@@ -312,7 +312,7 @@ class PortableQwen4ExpMTP(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
-        from qwen38_plugin.vllm_model import check_vllm_config
+        from qwen38_plugin.vllm_startup import check_vllm_config
 
         check_vllm_config(vllm_config)  # the target's config: the same refusals (RoPE type, DCP, TP)
         config = vllm_config.model_config.hf_text_config
