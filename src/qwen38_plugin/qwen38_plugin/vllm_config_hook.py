@@ -139,11 +139,18 @@ def install() -> list[str]:
 def refuse_early(vllm_config: VllmConfig, architecture: str = ARCHITECTURE) -> None:
     """Where the dispatcher picks the portable model, its startup refusals and its GDN prefill
     choice (`vllm_startup`) run here, in the process that builds the config, before any worker
-    starts."""
+    starts; the multimodal architecture's own refusals (`vllm_mm_model.check_multimodal_config`)
+    too."""
     if choose(vllm_config, architecture).portable:
         from qwen38_plugin.vllm_startup import settle_portable_config
 
         settle_portable_config(vllm_config)
+        if architecture == MM_ARCHITECTURE:
+            # (imported here: the module subclasses stock's multimodal model, a heavy import that a
+            # text-only config never needs)
+            from qwen38_plugin.vllm_mm_model import check_multimodal_config
+
+            check_multimodal_config(vllm_config)
 
 
 def _wrapped(stock: Any, architecture: str) -> Any:
