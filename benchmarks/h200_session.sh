@@ -270,6 +270,8 @@ k)
     grep -v '^train: step' "$res/bench_mtp.log" | tail -25
     ;;
 h)
+    # (on a cold machine the engine's profiling run compiles every Triton kernel, 77 s on 2026-12-06, and a
+    # first request compiles launchers too: 240 s stopped it in its graph capture, so give it all 280 s)
     timeout $(lim 280) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 --modes graphs \
         --work $work/q38 >"$res/exact.log" 2>&1
     tail -5 "$res/exact.log"
