@@ -354,7 +354,14 @@ def child_generate(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(**engine_kwargs(args, 0))
+    # Training text, not a measurement: every sequence at once and eager (no compile, no graph capture).
+    # With the measured settings (max_num_seqs = the largest measured batch, 1 for --batches 1, and
+    # CUDA graphs) the sequences went one at a time behind a compiling, graph-capturing start: 212 s
+    # on a cold H200 (2026-12-03), 160 s of it the start.
+    kwargs = engine_kwargs(args, 0)
+    kwargs.pop("compilation_config", None)
+    kwargs.update(max_num_seqs=max(1, min(args.sequences, 256)), enforce_eager=True)
+    llm = LLM(**kwargs)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in random_prompts(args.sequences, 1, args.corpus)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
