@@ -60,6 +60,9 @@
 #      2026-12-04, second session (BUDGET=470, 585, 585): 426 s, 433 s, 313 s (the measurements: three children,
 #      about 100 s each). The speed-ups moved by up to 2x between those two sessions, so next: A with --rounds 2
 #      (every setting measured twice, round after round, the faster counting): a fourth call finishes round 2.
+#      Since fa6c5f9 the generate child runs eager with every sequence at once (it ran the measured settings:
+#      with --batches 1 one sequence at a time, behind the compile and graph capture), so its 212 s should
+#      shrink to the engine's start and Triton's compiles (not yet timed on a GPU).
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py, medium and Flash-Next
 #      mixer sizes (about 3 minutes).
