@@ -21,7 +21,8 @@ generates, then measure both inside stock vLLM against no speculation, in one ru
    16-token windows of the held-out corpus, else random token ids.
 1. ``generate`` (a vLLM child, no speculation): the target (with an MTP head,
    ``mtp_num_hidden_layers`` 1) greedily continues ``--sequences`` prompts of 16 tokens by
-   ``--new-tokens`` tokens: the target's own text.
+   ``--new-tokens`` tokens: the target's own text (eager, every sequence at once: training data,
+   not a measurement).
 2. ``train`` (this process, plain torch on the GPU): the target's residual streams before its final
    mixer come from the plain-torch oracle (`qwen38_plugin.model.Qwen4ExpCore.forward_streams`,
    no gradient); the head (`qwen38_plugin.mtp_reference.Qwen4ExpMTPReference`, stock's semantics,
