@@ -24,9 +24,12 @@ generates, then measure both inside stock vLLM against no speculation, in one ru
    ``--new-tokens`` tokens: the target's own text (eager, every sequence at once: training data,
    not a measurement).
 2. ``train`` (this process, plain torch on the GPU): the target's residual streams before its final
-   mixer come from the plain-torch oracle (`qwen38_plugin.model.Qwen4ExpCore.forward_streams`,
-   no gradient); the head (`qwen38_plugin.mtp_reference.Qwen4ExpMTPReference`, stock's semantics,
-   the target's embedding and lm_head frozen) is trained teacher-forced to predict token p + 2 from
+   mixer come from transformers' Qwen4Exp in fp32, 64 sequences a forward (`hf_streams`, no
+   gradient), the first two checked against the plain-torch oracle
+   (`qwen38_plugin.model.Qwen4ExpCore.forward_streams`, `oracle_gap`: the report's ``oracle_gap``),
+   which runs each sequence alone and took 77-84 s for 128 of them on the H200; the head
+   (`qwen38_plugin.mtp_reference.Qwen4ExpMTPReference`, stock's semantics, the target's embedding
+   and lm_head frozen) is trained teacher-forced to predict token p + 2 from
    the streams at p and token p + 1 (cross entropy, AdamW), one sequence per step; the loss and the
    head's top-1 agreement with the target on held-out sequences are printed before and after.
    With ``--chain-train N`` the loss also covers chained drafts 2 .. N (each reading the previous
@@ -36,24 +39,24 @@ generates, then measure both inside stock vLLM against no speculation, in one ru
    under their on-disk names.
    Skipped without ``mtp`` in ``--methods``.
 3. ``dflash-train`` (this process, plain torch on the GPU; without ``dflash`` in ``--methods``,
-   skipped): a DFlash drafter for the target (`dflash_config_for`: ``--dflash-layers`` causal
-   Qwen3 layers at the target's width, ``target_layer_ids`` the target's first, middle and last
-   layers, ``hc_mean``, mask token ``<|fim_pad|>``, block ``--dflash-drafts`` + 1) is trained in
+   skipped): a DFlash drafter for the target (`dflash_config_for`: ``--dflash-layers`` causal Qwen3
+   layers at the target's width, ``target_layer_ids`` the target's first, middle and last layers,
+   ``hc_mean``, mask token ``<|fim_pad|>``, block ``--dflash-drafts`` + 1) is trained in
    `dflash2.drafter_reference` (stock vLLM's ``DFlashQwen3ForCausalLM`` in plain torch; the test
    tests/dflash2/test_drafter_reference.py holds it to vLLM's drafts). The target's features (the
-   ``hc_mean`` of its residual streams after those layers) come from the plain-torch oracle, no
-   gradient; the target's embedding and lm_head are shared and frozen. Teacher-forced: each step
-   takes ``--dflash-batch`` sequences and ``--dflash-blocks`` random anchors in each one's generated
-   text; block = the anchor's token and mask tokens after it, seeing the features before the anchor;
-   every block of a sequence runs in one forward under one attention mask; cross entropy on the
+   ``hc_mean`` of its residual streams after those layers) come from transformers, checked against the
+   oracle, as in stage 2; the target's embedding and lm_head are shared and frozen. Teacher-forced:
+   each step takes ``--dflash-batch`` sequences and ``--dflash-blocks`` random anchors in each one's
+   generated text; block = the anchor's token and mask tokens after it, seeing the features before the
+   anchor; every block of a sequence runs in one forward under one attention mask; cross entropy on the
    drafts (draft k weighted 0.8 ** (k - 1)), AdamW, warm-up then cosine, bf16 autocast on CUDA, until
    ``--dflash-train-steps`` or ``--dflash-train-seconds``. Before, after and every tenth of the run:
-   held-out loss, top-1 agreement with the target per draft position over every anchor of the
-   held-out sequences, and the acceptance length greedy verification would give there (1 + the
-   mean run of correct leading drafts): the reference's prediction of what vLLM measures. The
-   drafter kept is the one with the longest such prediction (early stopping: the drafter overfits
-   a few hundred sequences; the report's ``history`` and ``kept_step``). The drafter directory (config.json,
-   model.safetensors, train_report.json) is written beside and renamed into place.
+   held-out loss, top-1 agreement with the target per draft position over every anchor of the held-out
+   sequences, and the acceptance length greedy verification would give there (1 + the mean run of
+   correct leading drafts): the reference's prediction of what vLLM measures. The drafter kept is the
+   one with the longest such prediction (early stopping: the drafter overfits a few hundred sequences;
+   the report's ``history`` and ``kept_step``). The drafter directory (config.json, model.safetensors,
+   train_report.json) is written beside and renamed into place.
 4. ``measure`` (a vLLM child per setting, vLLM's defaults but prefix caching, which is off for every
    setting: V2 runner and CUDA graphs on a GPU): on prompts the training never saw (one list; each
    batch size serves at least ``--min-sequences`` of them, in groups of the batch size one after
@@ -516,6 +519,71 @@ def target_streams(core: Any, sequences: list[list[int]], device: str) -> list[A
     return out
 
 
+def hf_streams(
+    model: Path, sequences: list[list[int]], indices: list[int], device: str, batch: int = 64
+) -> list[dict[int, Any]]:
+    """For each sequence, the residual streams ``[T, hc * H]`` entering each layer in ``indices``
+    (``num_hidden_layers``: the final mixer's input), from transformers' Qwen4Exp in fp32, ``batch``
+    equal-length sequences a forward (no gradient).
+
+    The same streams as the plain-torch oracle's (`target_streams`, `qwen4exp_aux_features`), which
+    runs each prefill alone, layer by layer: 77-84 s for 128 sequences on the H200
+    (results/h200_bench_mtp_trained.txt), where transformers takes a batch in one forward. The
+    callers check the first sequences against the oracle (`oracle_gap`)."""
+    import torch
+    from transformers import Qwen4ExpForCausalLM
+
+    if len({len(seq) for seq in sequences}) > 1:
+        raise RuntimeError("hf_streams: the sequences differ in length")
+    net = Qwen4ExpForCausalLM.from_pretrained(str(model), dtype=torch.float32).to(device).eval()
+    depth = net.config.num_hidden_layers
+    captured: dict[int, Any] = {}
+
+    def grab(index: int) -> Any:
+        def hook(_module: Any, inputs: tuple[Any, ...]) -> None:
+            captured[index] = inputs[0]  # the streams, [B, T, hc * H]
+
+        return hook
+
+    modules = [net.model.layers[i] if i < depth else net.model.hyper_connection_mixer for i in indices]
+    handles = [module.register_forward_pre_hook(grab(i)) for i, module in zip(indices, modules, strict=True)]
+    out: list[dict[int, Any]] = []
+    try:
+        with torch.no_grad(), reference_gated_delta_rule(device), batched_qsa_indexer():
+            for first in range(0, len(sequences), batch):
+                ids = torch.tensor(sequences[first : first + batch], device=device)
+                net.model(input_ids=ids, use_cache=False)
+                out += [{i: captured[i][b] for i in indices} for b in range(ids.shape[0])]
+    finally:
+        for handle in handles:
+            handle.remove()
+    del net
+    return out
+
+
+def oracle_gap(ours: list[Any], oracle: list[Any]) -> dict[str, float]:
+    """How far two lists of ``[T, D]`` tensors are apart, position by position (the largest
+    difference at each position, relative to the oracle's largest value): the median and the
+    largest over every position. Raises when the median is above ``ORACLE_GAP_LIMIT``."""
+    import torch
+
+    scale = max(float(b.abs().max()) for b in oracle)
+    gaps = torch.cat([(a - b).abs().amax(dim=-1) for a, b in zip(ours, oracle, strict=True)]) / scale
+    gap = {"median": float(gaps.median()), "max": float(gaps.max())}
+    if gap["median"] > ORACLE_GAP_LIMIT:
+        raise RuntimeError(f"transformers' target streams are not the oracle's: relative gap by position {gap}")
+    return gap
+
+
+# transformers' streams against the oracle's on the first sequences, fp32 both: batched and alone,
+# a near-tie in a top-k (an expert, a QSA block) can flip at a position and move the streams after it
+# (the CPU dry run: 3.8e-3 at one of 40 positions in the last layer, 1e-7 or less everywhere else),
+# so the median position is held to rounding (1e-8 there); a hook on the wrong module moves every
+# position (one layer off in the dry run's random target: 1e-4 at the least, up to 32)
+ORACLE_GAP_LIMIT = 1e-5
+ORACLE_CHECKED = 2
+
+
 def head_loss(core: Any, head: Any, streams: Any, seq: list[int], device: str, chain: int = 1) -> tuple[Any, Any]:
     """Teacher-forced: the head at position p (streams p, token p + 1) predicts token p + 2; the loss
     and top-1 agreement of that first draft.
@@ -618,12 +686,14 @@ def train(
     held_out = max(2, len(sequences) // 8)
     train_seqs, eval_seqs = sequences[held_out:], sequences[:held_out]
     start = time.perf_counter()
-    train_streams = target_streams(core, train_seqs, device)
-    eval_streams = target_streams(core, eval_seqs, device)
+    depth = core.config.num_hidden_layers
+    streams = [s[depth] for s in hf_streams(model, sequences, [depth], device)]
     streams_s = time.perf_counter() - start
+    gap = oracle_gap(streams[:ORACLE_CHECKED], target_streams(core, sequences[:ORACLE_CHECKED], device))
+    train_streams, eval_streams = streams[held_out:], streams[:held_out]
     report: dict[str, Any] = {"train_sequences": len(train_seqs), "eval_sequences": len(eval_seqs),
-                              "target_streams_s": round(streams_s, 1), "before": evaluate(core, head, eval_streams,
-                              eval_seqs, device)}  # fmt: skip
+                              "target_streams_s": round(streams_s, 1), "oracle_gap": gap,
+                              "before": evaluate(core, head, eval_streams, eval_seqs, device)}  # fmt: skip
     print(f"train: before {report['before']}", flush=True)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
@@ -744,6 +814,7 @@ def train_dflash(
         expected_acceptance_length,
         qwen4exp_aux_features,
     )
+    from qwen38_plugin.ops.hyper_connection import hc_mean
 
     config = dflash_config_for(args, model)
     core, _ = load_oracle(model, device, with_head=False)
@@ -752,13 +823,16 @@ def train_dflash(
     indices = aux_layer_indices(config)
     held_out = max(2, len(sequences) // 8)
     start = time.perf_counter()
-    with torch.no_grad():
-        tokens = [torch.tensor(seq, device=device) for seq in sequences]
-        features = []
-        for first in range(0, len(tokens), 16):  # 16 sequences a forward: the oracle's step overheads shared
-            features += qwen4exp_aux_features(core, tokens[first : first + 16], indices)
-    del core
+    tokens = [torch.tensor(seq, device=device) for seq in sequences]
+    hc = core.config.hc_count
+    features = [
+        torch.cat([hc_mean(s[i], hc) for i in indices], dim=-1) for s in hf_streams(model, sequences, indices, device)
+    ]
     features_s = time.perf_counter() - start
+    with torch.no_grad():
+        oracle = qwen4exp_aux_features(core, tokens[:ORACLE_CHECKED], indices)
+    gap = oracle_gap(features[:ORACLE_CHECKED], oracle)
+    del core
     train_ids, eval_ids = tokens[held_out:], tokens[:held_out]
     train_features, eval_features = features[held_out:], features[:held_out]
 
@@ -816,7 +890,8 @@ def train_dflash(
              "intermediate_size", "dflash_config")  # fmt: skip
     report: dict[str, Any] = {"config": {k: config[k] for k in shown},
                               "drafts": drafts, "train_sequences": len(train_ids), "eval_sequences": len(eval_ids),
-                              "target_features_s": round(features_s, 1), "max_steps": args.dflash_train_steps,
+                              "target_features_s": round(features_s, 1), "oracle_gap": gap,
+                              "max_steps": args.dflash_train_steps,
                               "max_seconds": args.dflash_train_seconds, "lr": args.dflash_lr,
                               "batch": args.dflash_batch, "blocks_per_sequence": args.dflash_blocks,
                               "before": evaluate_dflash()}  # fmt: skip
