@@ -62,7 +62,10 @@
 #      (every setting measured twice, round after round, the faster counting): a fourth call finishes round 2.
 #      Since fa6c5f9 the generate child runs eager with every sequence at once (it ran the measured settings:
 #      with --batches 1 one sequence at a time, behind the compile and graph capture), so its 212 s should
-#      shrink to the engine's start and Triton's compiles (not yet timed on a GPU).
+#      shrink to the engine's start and Triton's compiles; since 134fbd9 the target's streams and features
+#      come from transformers in batches of 64 (the oracle's 77-84 s for 128 sequences should become
+#      seconds). Neither is timed on a GPU yet. Next: --sequences 512, BUDGET=400 "$A --stop-after
+#      generate", then BUDGET=585 "$A" (twice if round 2 is cut).
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py, medium and Flash-Next
 #      mixer sizes (about 3 minutes).
