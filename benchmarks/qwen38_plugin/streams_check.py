@@ -6,7 +6,7 @@ between them by layer on the first sequences (`oracle_gap`: median and largest p
 
 Random token ids (the streams' semantics do not depend on the text), the config's checkpoint with
 random weights in fp16 on CUDA (fp32 on CPU), both sides in fp32 as bench_mtp_trained.py runs them.
-Writes OUT/streams_check.json and prints it.
+Writes OUT/streams_check.json and prints it. Runs so far: results/streams_check_cpu.txt.
 """
 
 from __future__ import annotations
