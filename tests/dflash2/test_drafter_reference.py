@@ -40,6 +40,7 @@ DRAFTS = int(os.environ.get("DRAFTER_CHECK_DRAFTS", "3"))
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 23, 41)
 MASK_TOKEN_ID = 248063  # <|fim_pad|> of the Qwen3.6 tokenizer
+DRAFT_VOCAB = 4096  # the reduced draft vocabulary's size (of the target's 248k tokens)
 
 
 def engine_main() -> None:
@@ -115,9 +116,11 @@ def record_device_drafts() -> dict[str, list[int]]:
     return latest
 
 
-def build_drafter(target: Path, path: Path) -> Any:
+def build_drafter(target: Path, path: Path, draft_vocab: int = 0) -> Any:
     """A random one-layer causal DFlash drafter for ``target``, written to the directory ``path``
-    (fp32) and returned as the reference module."""
+    (fp32) and returned as the reference module. ``draft_vocab`` > 0: it drafts from that many
+    random target tokens (in shuffled order, so the row -> token map matters) through its own random
+    lm_head (not the target's rows, so a served drafter that used the target's head would differ)."""
     from safetensors.torch import save_file
 
     from dflash2.drafter_reference import DFlashDrafterReference
@@ -134,12 +137,19 @@ def build_drafter(target: Path, path: Path) -> Any:
         extra_dflash_config={"target_feature_reduction": "hc_mean", "mask_token_id": MASK_TOKEN_ID},
     )
     config.update(dtype="float32", max_position_embeddings=256)
+    if draft_vocab:
+        config["draft_vocab_size"] = draft_vocab
     drafter = DFlashDrafterReference(config)
-    drafter.reset_parameters(torch.Generator().manual_seed(0), std=0.1)
+    gen = torch.Generator().manual_seed(0)
+    drafter.reset_parameters(gen, std=0.1)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.fill_(2.0)  # peaked attention: the drafts then depend visibly on where each key sits
+    if draft_vocab:
+        token_ids = torch.randperm(int(config["vocab_size"]), generator=gen)[:draft_vocab]
+        own_rows = torch.randn(int(config["vocab_size"]), int(config["hidden_size"]), generator=gen)
+        drafter.set_draft_vocabulary(token_ids, own_rows)
     path.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -169,6 +179,18 @@ def served(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPa
     return target, drafter, engine_result(proc.stdout)
 
 
+@pytest.fixture(scope="module")
+def served_draft_vocab(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """The same engine with a drafter of a reduced draft vocabulary (`DRAFT_VOCAB` tokens, ``d2t``)."""
+    target = tiny_checkpoint("qwen4_exp_text", dtype="float32")
+    path = tmp_path_factory.mktemp("drafter_reference_vocab") / "drafter"
+    drafter = build_drafter(target, path, draft_vocab=DRAFT_VOCAB)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(HERE.parents[2])}
+    proc = run_engine_script(engine_command(target, path), env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return target, drafter, engine_result(proc.stdout)
+
+
 @functools.cache
 def oracle(target: Path) -> Any:
     """The plain-torch target (eval), loaded once for every test of this module."""
@@ -182,10 +204,17 @@ def oracle(target: Path) -> Any:
 
 
 def reference_drafts(
-    target: Path, drafter: Any, result: dict[str, Any], *, layer_shift: int = 1, position_shift: int = 0
+    target: Path,
+    drafter: Any,
+    result: dict[str, Any],
+    *,
+    layer_shift: int = 1,
+    position_shift: int = 0,
+    target_head: bool = False,
 ) -> tuple[list[list[int]], list[float]]:
     """The reference's drafts at each recorded step, and the margin of each draft's logit over the
-    runner-up; ``layer_shift`` and ``position_shift`` make deliberate mistakes."""
+    runner-up; ``layer_shift``, ``position_shift`` and ``target_head`` (the target's lm_head where
+    the drafter has its own) make deliberate mistakes."""
     from dflash2.drafter_reference import block_attention_mask, qwen4exp_aux_features
 
     core = oracle(target)
@@ -208,7 +237,7 @@ def reference_drafts(
                 positions.unsqueeze(0),
                 block_attention_mask([a], a, 1 + k, causal=True).unsqueeze(0),
             )
-            logits = hidden[0, 1:] @ lm_head.t()
+            logits = hidden[0, 1:] @ lm_head.t() if target_head else drafter.logits(hidden[0, 1:], lm_head)
             top = logits.topk(2, dim=-1)
             drafts.append(top.indices[:, 0].tolist())
             margins.extend((top.values[:, 0] - top.values[:, 1]).tolist())
@@ -250,6 +279,27 @@ def test_reference_drafts_what_vllm_drafts(served: tuple) -> None:
             features, tokens, len(step["drafts"]), core.model.embed_tokens.weight, core.lm_head.weight
         )
     assert logits.argmax(-1).tolist() == step["drafts"]
+
+
+def test_a_reduced_draft_vocabulary_drafts_what_vllm_drafts(served_draft_vocab: tuple) -> None:
+    """A drafter with its own lm_head over 4,096 target tokens and stock's ``d2t`` map: vLLM
+    drafts only those tokens, and the same ones as the reference's `logits` (its ``-inf`` fill)."""
+    target, drafter, result = served_draft_vocab
+    steps = result["drafts"]
+    assert sum(len(s["drafts"]) for s in steps) >= 60, steps
+    vllm = [d for s in steps for d in s["drafts"]]
+    allowed = set(drafter.draft_token_ids().tolist())
+    assert set(vllm) <= allowed, sorted(set(vllm) - allowed)
+    assert len(set(vllm)) >= 10, vllm  # drafts that depend on the input, not one token
+    drafts, margins = reference_drafts(target, drafter, result)
+    ours = [d for s, ref in zip(steps, drafts, strict=True) for d in ref[: len(s["drafts"])]]
+    mismatches = [(i, m) for i, (d, r, m) in enumerate(zip(vllm, ours, margins, strict=True)) if d != r]
+    assert all(m < 1e-4 for _, m in mismatches), mismatches
+    assert len(mismatches) <= 2, mismatches
+    # it can fail: the same reference through the target's lm_head (the draft vocabulary ignored)
+    # loses the drafts
+    wrong, _ = reference_drafts(target, drafter, result, target_head=True)
+    assert agreement(result, wrong) < 0.25
 
 
 @pytest.mark.parametrize(

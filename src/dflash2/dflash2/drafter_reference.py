@@ -23,14 +23,21 @@ drafting step computes for a request whose last sampled (bonus) token sits at po
   to the whole block (false), then the final ``norm``.
 - **Drafts.** The block's rows ``1 .. N`` go through the target's lm_head (shared); row ``k``'s
   argmax is the draft for position ``a + k``. The bonus row drafts nothing.
+- **A reduced draft vocabulary** (``draft_vocab_size`` below the target's ``vocab_size``): the
+  drafter then has its own ``lm_head`` of ``draft_vocab_size`` rows and a ``d2t`` tensor; draft row
+  ``i`` stands for target token ``i + d2t[i]``. Stock scatters the drafter's logits to those target
+  ids and fills every other id with ``-inf``, so a draft is always one of the drafter's tokens. The
+  point is speed: the drafter's logits cost a GEMV over the whole vocabulary every step (0.18 ms of
+  a 2.9 ms DFlash step on the medium config, 2026-12-06), a few thousand rows cost a tenth of it.
 
 `DFlashDrafterReference` holds exactly the drafter checkpoint's tensors under their on-disk names
-(``fc.weight``, ``hidden_norm.weight``, ``layers.{i}.self_attn.q_proj.weight``, ...; no embedding,
-no lm_head), so ``state_dict()`` is what vLLM loads. Its `forward` takes many query blocks at once
-with one attention mask (`block_attention_mask`), so training runs every block of a sequence in one
-pass; `draft_logits` is the one-request step above. Options of stock's module this reference does
-not model (sliding windows, attention or output biases, value scale, sink bias, a reduced draft
-vocabulary, a separate mask embedding, interleaved RoPE) are refused in `DrafterGeometry.from_config`.
+(``fc.weight``, ``hidden_norm.weight``, ``layers.{i}.self_attn.q_proj.weight``, ...; no embedding;
+``lm_head.weight`` and ``d2t`` only with a reduced draft vocabulary), so ``state_dict()`` is what
+vLLM loads. Its `forward` takes many query blocks at once with one attention mask
+(`block_attention_mask`), so training runs every block of a sequence in one pass; `draft_logits` is
+the one-request step above. Options of stock's module this reference does not model (sliding
+windows, attention or output biases, value scale, sink bias, a separate mask embedding, interleaved
+RoPE) are refused in `DrafterGeometry.from_config`.
 
 Plain torch only: importable without vLLM.
 """
@@ -86,6 +93,8 @@ class DrafterGeometry:
     rope_theta: float
     mask_token_id: int
     causal: tuple[bool, ...]
+    vocab_size: int
+    draft_vocab_size: int
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> DrafterGeometry:
@@ -96,8 +105,6 @@ class DrafterGeometry:
             "layer_types (sliding_attention)": "sliding_attention" in (config.get("layer_types") or []),
             "dflash_config.attention_value_scale": dflash.get("attention_value_scale") is not None,
             "dflash_config.attention_sink_bias": bool(dflash.get("attention_sink_bias", False)),
-            "draft_vocab_size != vocab_size": config.get("draft_vocab_size", config.get("vocab_size"))
-            != config.get("vocab_size"),
             "is_neox_style false": not config.get("is_neox_style", True),
             "dflash_config.use_aux_hidden_state false": not dflash.get("use_aux_hidden_state", True),
             "logit_scale != 1": float(config.get("logit_scale", 1.0)) != 1.0,
@@ -117,6 +124,13 @@ class DrafterGeometry:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         layers = int(config["num_hidden_layers"])
+        vocab = int(config["vocab_size"])
+        draft_vocab = vocab if config.get("draft_vocab_size") is None else int(config["draft_vocab_size"])
+        if not 0 < draft_vocab <= vocab:
+            raise DrafterReferenceError(
+                f"draft_vocab_size: {draft_vocab} is outside 1..vocab_size ({vocab}); "
+                "leave it out for the full vocabulary"
+            )
         return cls(
             hidden_size=hidden,
             target_hidden_size=int(config.get("target_hidden_size") or hidden),
@@ -130,7 +144,14 @@ class DrafterGeometry:
             rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 1_000_000.0))),
             mask_token_id=mask,
             causal=tuple(_layer_causal(config, i) for i in range(layers)),
+            vocab_size=vocab,
+            draft_vocab_size=draft_vocab,
         )
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """The drafter has its own lm_head over ``draft_vocab_size`` target tokens (``d2t``)."""
+        return self.draft_vocab_size != self.vocab_size
 
 
 class RMSNorm(nn.Module):
@@ -218,6 +239,9 @@ class _Layer(nn.Module):
 class DFlashDrafterReference(nn.Module):
     """Stock vLLM's ``DFlashQwen3ForCausalLM`` in plain torch (see the module docstring)."""
 
+    lm_head: nn.Linear  # (with a reduced draft vocabulary only, as d2t)
+    d2t: torch.Tensor
+
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
         self.config = dict(config)
@@ -226,9 +250,51 @@ class DFlashDrafterReference(nn.Module):
         self.hidden_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.layers = nn.ModuleList(_Layer(g) for _ in range(g.num_layers))
         self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        if g.reduced_vocab:
+            # draft row i is target token i + d2t[i] (stock's convention: the offset, not the id)
+            self.lm_head = nn.Linear(g.hidden_size, g.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(g.draft_vocab_size, dtype=torch.long))
+
+    def set_draft_vocabulary(self, token_ids: Sequence[int] | torch.Tensor, target_lm_head: torch.Tensor) -> None:
+        """Make the draft vocabulary the target tokens ``token_ids`` (distinct, ``draft_vocab_size``
+        of them, in the order of the draft rows), with the target's lm_head rows for them."""
+        g = self.geometry
+        if not g.reduced_vocab:
+            raise DrafterReferenceError("set_draft_vocabulary: draft_vocab_size is the full vocabulary")
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.d2t.device)
+        if ids.shape != (g.draft_vocab_size,) or ids.unique().numel() != ids.numel():
+            raise DrafterReferenceError(
+                f"set_draft_vocabulary: need {g.draft_vocab_size} distinct token ids, got {ids.numel()} "
+                f"({ids.unique().numel()} distinct)"
+            )
+        if int(ids.min()) < 0 or int(ids.max()) >= g.vocab_size:
+            raise DrafterReferenceError(f"set_draft_vocabulary: token ids must lie in 0..{g.vocab_size - 1}")
+        with torch.no_grad():
+            self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+            self.lm_head.weight.copy_(target_lm_head[ids.to(target_lm_head.device)])
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """The target token id of each draft row ``[draft_vocab_size]`` (all ids when not reduced)."""
+        g = self.geometry
+        if not g.reduced_vocab:
+            return torch.arange(g.vocab_size, device=self.fc.weight.device)
+        return self.d2t + torch.arange(g.draft_vocab_size, device=self.d2t.device)
+
+    def logits(self, hidden: torch.Tensor, target_lm_head: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary ``[..., vocab_size]`` for final hidden states
+        ``[..., H]``: the target's lm_head, or the drafter's own over its draft tokens with ``-inf``
+        at every other id (stock's ``compute_logits``)."""
+        g = self.geometry
+        if not g.reduced_vocab:
+            return hidden @ target_lm_head.t()
+        own = hidden @ self.lm_head.weight.to(hidden.dtype).t()
+        full = own.new_full((*own.shape[:-1], g.vocab_size), float("-inf"))
+        full[..., self.draft_token_ids()] = own
+        return full
 
     def reset_parameters(self, generator: torch.Generator, std: float = 0.02) -> None:
-        """Random linear weights (normal, ``std``) and unit norm weights: a fresh drafter."""
+        """Random linear weights (normal, ``std``) and unit norm weights: a fresh drafter (a reduced
+        vocabulary's lm_head too: `set_draft_vocabulary` gives it the target's rows)."""
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
@@ -275,7 +341,8 @@ class DFlashDrafterReference(nn.Module):
         """One drafting step for one request, as vLLM runs it: ``tokens`` are the request's tokens so
         far, the last one the bonus token (position ``a = len(tokens) - 1``); ``aux_features [>= a,
         num_aux * target_hidden]`` the target's features at positions ``0 ..``. Returns the logits
-        ``[num_drafts, vocab]`` of the drafts for positions ``a + 1 .. a + num_drafts``."""
+        ``[num_drafts, vocab]`` of the drafts for positions ``a + 1 .. a + num_drafts`` (`logits`:
+        ``lm_head_weight`` is the target's, unused with a reduced draft vocabulary)."""
         g = self.geometry
         ids = torch.as_tensor(tokens, dtype=torch.long, device=aux_features.device)
         a = ids.numel() - 1
@@ -290,7 +357,7 @@ class DFlashDrafterReference(nn.Module):
             positions[a:].unsqueeze(0),
             attend.unsqueeze(0),
         )
-        return hidden[0, 1:] @ lm_head_weight.t()
+        return self.logits(hidden[0, 1:], lm_head_weight)
 
 
 def block_attention_mask(
