@@ -66,6 +66,9 @@
 #      come from transformers in batches of 64 (the oracle's 77-84 s for 128 sequences should become
 #      seconds). Neither is timed on a GPU yet. Next: --sequences 512, BUDGET=400 "$A --stop-after
 #      generate", then BUDGET=585 "$A" (twice if round 2 is cut).
+#      Since 739bf61, --dflash-draft-vocab N: the drafter's own lm_head over the N tokens most frequent in its
+#      training text (stock's d2t map), to take its 0.18 ms full-vocabulary GEMV (part l, 2026-12-06) out of
+#      the step; next A adds --dflash-draft-vocab 16384.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py, medium and Flash-Next
 #      mixer sizes (about 3 minutes).
