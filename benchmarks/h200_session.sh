@@ -86,6 +86,8 @@
 #      bench_qsa_paged.py --dcp 2 (fp16; a TP4 rank's attention without and with DCP 2).
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP, and MTP
 #      with QWEN38_QSA_DRAFT_UPDATE=0 (each draft step's QSA metadata built on the host, one graph a step).
+#   i: what a reduced draft vocabulary saves a DFlash step: profile_gpu.py --speculative dflash with the random
+#      drafter's head over the target's vocabulary, then over 16,384 tokens (--draft-vocab), alternating.
 #   l: after part k on the same machine: its trained settings (none, MTP, DFlash: accepted drafts) under the
 #      profiler at batch 1 (profile_gpu.py --trained), wall and GPU time per verify step.
 #   u: the A/B of MTP's in-place draft-step metadata alone, alternating (QWEN38_QSA_DRAFT_UPDATE 0, 1, 0, 1: one
@@ -382,6 +384,22 @@ u)
         cap=170
     done
     ;;
+i)
+    # what a reduced draft vocabulary saves a DFlash step (--dflash-draft-vocab in part k): profile_gpu.py's random
+    # drafter with the target's lm_head, then with its own over 16,384 tokens, alternating, each engine a process;
+    # every draft rejected, so a step's wall time is its whole cost (batch 1 and 8)
+    cap=280  # the first engine on a cold machine compiles every Triton kernel
+    run=0
+    for vocab in 0 16384 0 16384; do
+        run=$((run + 1))
+        CUDA_VISIBLE_DEVICES=0 timeout $(lim $cap) python3 benchmarks/qwen38_plugin/profile_gpu.py \
+            "$res/vocab-$run-$vocab" --speculative dflash --drafts 3 --draft-vocab $vocab --batches 1,8 \
+            --work $work/q38 >"$res/vocab-$run-$vocab.log" 2>&1
+        grep -E '^dflash3(-v[0-9]+)? batch' "$res/vocab-$run-$vocab.log" | sed "s/^/run $run: /" ||
+            tail -3 "$res/vocab-$run-$vocab.log"
+        cap=170
+    done
+    ;;
 v)
     # vLLM's V1 model runner on GPU 1 (fp16, CUDA graphs and eager) while GPU 0 runs fp16 eager in V2
     CUDA_VISIBLE_DEVICES=$G1 timeout $(lim 250) $q38 "$res/exact-v1" --only exact --runners v1 --dtypes float16 \
@@ -472,7 +490,7 @@ y)
     tail -30 "$res/bench_qsa_paged.log"
     ;;
 *)
-    echo "part: a, b, c, d, e, f, g, h, j, k, l, m, n, o, p, q, r, s, t, u, v, w, x or y" >&2
+    echo "part: a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, u, v, w, x or y" >&2
     exit 2
     ;;
 esac

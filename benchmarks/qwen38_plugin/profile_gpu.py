@@ -25,6 +25,10 @@ the whole cost of a speculative step: the target verifying ``1 + --drafts`` toke
 rejection sampler and the drafter's passes. Without ``--speculative`` the engine keeps vLLM's
 defaults (prefix caching on).
 
+``--draft-vocab N`` with ``--speculative dflash`` (random drafter): the drafter has its own lm_head
+over N tokens (stock's ``draft_vocab_size`` / ``d2t``), so the same A/B gives what a reduced draft
+vocabulary saves a step (its full-vocabulary GEMV was 0.18 ms of 2.97, 2026-12-06 part l).
+
 ``--trained OUT/bench_mtp_trained.json``: bench_mtp_trained.py's trained setting for ``--speculative``
 instead (``none``: its pretrained target; ``mtp``: the target with the trained head; ``dflash``: the
 pretrained target and the trained drafter; prompts from its held-out corpus windows), so drafts are
@@ -72,12 +76,21 @@ def speculative_engine(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
 
         from dflash2.tiny import drafter_weights
 
-        drafter = work / f"dflash-{args.config}-{args.drafts}"
+        vocab = f"-v{args.draft_vocab}" if args.draft_vocab else ""
+        drafter = work / f"dflash-{args.config}-{args.drafts}{vocab}"
         if not drafter.exists():
             options = SimpleNamespace(dflash_layers=1, dflash_drafts=args.drafts, dtype=args.dtype)
             config = dflash_config_for(options, model)
+            weights = drafter_weights(config)
+            if args.draft_vocab:
+                # its own random lm_head over the first N token ids (d2t all 0): the step's cost, not its drafts
+                import torch
+
+                config["draft_vocab_size"] = args.draft_vocab
+                weights["lm_head.weight"] = torch.randn(args.draft_vocab, config["hidden_size"]).to(torch.bfloat16)
+                weights["d2t"] = torch.zeros(args.draft_vocab, dtype=torch.long)
             drafter.mkdir(parents=True)
-            save_file(drafter_weights(config), str(drafter / "model.safetensors"))
+            save_file(weights, str(drafter / "model.safetensors"))
             (drafter / "config.json").write_text(json.dumps(config, indent=2))
         extra["speculative_config"] = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.drafts}
     return model, extra
@@ -97,6 +110,8 @@ def main() -> None:
     parser.add_argument("--speculative", choices=["mtp", "dflash", "none"])
     parser.add_argument("--drafts", type=int, help="draft tokens a step (default 3; with --trained and dflash, the "
                         "count its drafter was trained for)")  # fmt: skip
+    parser.add_argument("--draft-vocab", type=int, default=0, help="--speculative dflash, random drafter: its own "
+                        "lm_head over this many tokens (stock's draft_vocab_size, d2t; 0: the target's)")  # fmt: skip
     parser.add_argument("--work", type=Path)
     parser.add_argument("--model", type=Path, help="a checkpoint directory to profile instead of --config's")
     parser.add_argument("--capture-sizes", default="measured", choices=("measured", "vllm"), help=CAPTURE_SIZES_HELP)
@@ -132,6 +147,8 @@ def main() -> None:
     label = args.speculative or "default"
     if args.speculative in ("mtp", "dflash"):
         label += str(args.drafts)
+    if args.speculative == "dflash" and args.draft_vocab and not args.drafter:
+        label += f"-v{args.draft_vocab}"
     drafts = args.drafts if args.speculative in ("mtp", "dflash") else 0
     sizes = None if args.enforce_eager else capture_sizes(args.capture_sizes, batches, 1 + drafts, args.prompt_len)
     if sizes is not None:
