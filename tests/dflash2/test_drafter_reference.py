@@ -15,6 +15,10 @@ It can fail: the same comparison with the reference misreading a layer id (no ``
 query block one position late loses many drafts (checked below, so a test that could not tell them
 apart would fail too).
 
+A second engine (about 15 s) serves a drafter with a reduced draft vocabulary (``draft_vocab_size``
+4,096, its own random lm_head, stock's ``d2t`` map): vLLM drafts only those tokens, the reference's
+drafts; the reference through the target's lm_head instead loses them.
+
 Run as a script (``python THIS MODEL DRAFTER PROMPTS_JSON MAX_TOKENS``) it is the engine side.
 """
 
