@@ -864,8 +864,9 @@ def train_dflash(
     draft_vocab: dict[str, Any] = {"size": g.draft_vocab_size}
     if g.reduced_vocab:
         counts = torch.bincount(torch.cat([t[PROMPT_LEN:] for t in train_ids]), minlength=g.vocab_size)
-        if int((counts > 0).sum()) < g.draft_vocab_size:
-            draft_vocab["seen_in_training"] = int((counts > 0).sum())
+        seen = int((counts > 0).sum())
+        if seen < g.draft_vocab_size:
+            draft_vocab["seen_in_training"] = seen
         # the most frequent first, ties by the smaller id (a stable sort of ids by falling count)
         order = torch.sort(-counts, stable=True).indices[: g.draft_vocab_size]
         drafter.set_draft_vocabulary(order, lm_head)
@@ -1230,10 +1231,10 @@ def main() -> None:
     if args.stop_after == "train":
         return
     # every setting that changes the drafter is in its name
+    vocab = f"-v{args.dflash_draft_vocab}" if args.dflash_draft_vocab else ""
     drafter = args.work / (
         f"{tag}-dflash{args.dflash_drafts}-l{args.dflash_layers}-{args.dflash_train_steps}-{args.dflash_train_seconds}s"
-        f"-lr{args.dflash_lr}-b{args.dflash_batch}x{args.dflash_blocks}"
-        + (f"-v{args.dflash_draft_vocab}" if args.dflash_draft_vocab else "")
+        f"-lr{args.dflash_lr}-b{args.dflash_batch}x{args.dflash_blocks}{vocab}"
     )
     if "dflash" in methods:
         if (drafter / "train_report.json").exists():
@@ -1255,7 +1256,6 @@ def main() -> None:
                 settings.append((f"mtp{drafts}-untrained", model, drafts, None))
             settings.append((f"mtp{drafts}-trained", trained, drafts, None))
     if "dflash" in methods:
-        vocab = f"-v{args.dflash_draft_vocab}" if args.dflash_draft_vocab else ""
         settings.append((f"dflash{args.dflash_drafts}{vocab}-trained", model, args.dflash_drafts, drafter))
     # Round after round, every setting in its own process each time (plain, MTP, DFlash, plain, ...): the
     # host's speed moves between processes and over minutes (2026-12-04: the same setting's step cost
