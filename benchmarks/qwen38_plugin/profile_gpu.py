@@ -122,6 +122,11 @@ def main() -> None:
         parser.error("--model and --trained both name the target: give one")
     if args.model and not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json there; give a checkpoint directory")
+    if args.draft_vocab and (args.speculative != "dflash" or args.trained):
+        # The reduced head belongs to the random drafter only: a trained drafter carries its own
+        # draft_vocab_size, and MTP or no speculation has no drafter head to shrink.
+        parser.error(f"--draft-vocab {args.draft_vocab}: only with --speculative dflash and no --trained; "
+                     "drop it, or profile the random DFlash drafter")  # fmt: skip
     if args.trained:
         trained_setting(parser, args)
     if args.drafts is None:
@@ -147,7 +152,7 @@ def main() -> None:
     label = args.speculative or "default"
     if args.speculative in ("mtp", "dflash"):
         label += str(args.drafts)
-    if args.speculative == "dflash" and args.draft_vocab and not args.drafter:
+    if args.draft_vocab:
         label += f"-v{args.draft_vocab}"
     drafts = args.drafts if args.speculative in ("mtp", "dflash") else 0
     sizes = None if args.enforce_eager else capture_sizes(args.capture_sizes, batches, 1 + drafts, args.prompt_len)
