@@ -510,19 +510,23 @@ def load_oracle(model: Path, device: str, with_head: bool = True) -> tuple[Any, 
     return core.to(device=device, dtype=torch.float32).eval(), head
 
 
-def target_streams(core: Any, sequences: list[list[int]], device: str) -> list[Any]:
-    """The target's streams before its final mixer at every position of each sequence (no gradient)."""
+def target_streams(core: Any, sequences: list[list[int]], device: str, layers: list[int] | None = None) -> list[Any]:
+    """The plain-torch oracle's streams, each sequence alone (no gradient): before its final mixer
+    at every position, or with ``layers``, a dict of the streams entering each of those layers
+    (``num_hidden_layers``: after the last), as `hf_streams` gives them."""
     import torch
 
     from qwen38_plugin.model import DictStateStore, SequenceCache
 
-    out = []
+    out: list[Any] = []
     with torch.no_grad():
         for seq in sequences:
             ids = torch.tensor(seq, device=device)
             positions = torch.arange(len(seq), device=device)
-            _, streams = core.forward_streams(ids, positions, [len(seq)], DictStateStore(core, [SequenceCache()]))
-            out.append(streams)
+            store = DictStateStore(core, [SequenceCache()])
+            entering: dict[int, Any] = dict.fromkeys(layers or [])
+            _, streams = core.forward_streams(ids, positions, [len(seq)], store, entering if layers else None)
+            out.append({i: t for i, t in entering.items() if t is not None} if layers else streams)
     return out
 
 

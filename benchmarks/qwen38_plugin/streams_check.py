@@ -39,8 +39,6 @@ def main() -> None:
     parser.add_argument("--oracle-sequences", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("/tmp/streams_check"))
     args = parser.parse_args()
-    from qwen38_plugin.model import DictStateStore, SequenceCache
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -59,15 +57,7 @@ def main() -> None:
     hf_s = time.perf_counter() - start
 
     checked = sequences[: args.oracle_sequences]
-    oracle: list[dict[int, torch.Tensor]] = []
-    start = time.perf_counter()
-    with torch.no_grad():
-        for seq in checked:
-            entering: dict[int, torch.Tensor | None] = dict.fromkeys(indices)
-            ids = torch.tensor(seq, device=device)
-            store = DictStateStore(core, [SequenceCache()])
-            core.forward_streams(ids, torch.arange(len(seq), device=device), [len(seq)], store, entering)
-            oracle.append({i: t for i, t in entering.items() if t is not None})
+    oracle = bench.target_streams(core, checked, device, indices)
     sync(device)
     oracle_s = time.perf_counter() - start
 
