@@ -26,7 +26,8 @@ generates, then measure both inside stock vLLM against no speculation, in one ru
 2. ``train`` (this process, plain torch on the GPU): the target's residual streams before its final
    mixer come from transformers' Qwen4Exp in fp32, 64 sequences a forward (`hf_streams`, no
    gradient), the first two checked against the plain-torch oracle
-   (`qwen38_plugin.model.Qwen4ExpCore.forward_streams`, `oracle_gap`: the report's ``oracle_gap``),
+   (`qwen38_plugin.model.Qwen4ExpCore.forward_streams`, `oracle_gap`: the report's ``oracle_gap``,
+   beside the gap to the layer before, which must be ten times larger),
    which runs each sequence alone and took 77-84 s for 128 of them on the H200; the head
    (`qwen38_plugin.mtp_reference.Qwen4ExpMTPReference`, stock's semantics, the target's embedding
    and lm_head frozen) is trained teacher-forced to predict token p + 2 from
@@ -572,26 +573,45 @@ def hf_streams(
     return out
 
 
-def oracle_gap(ours: list[Any], oracle: list[Any]) -> dict[str, float]:
+def oracle_gap(ours: list[Any], oracle: list[Any], one_layer_off: list[list[Any]] | None = None) -> dict[str, float]:
     """How far two lists of ``[T, D]`` tensors are apart, position by position (the largest
     difference at each position, relative to the oracle's largest value): the median and the
-    largest over every position. Raises when the median is above ``ORACLE_GAP_LIMIT``."""
+    largest over every position. With ``one_layer_off`` (the oracle's tensors of the layers next to
+    the hooked ones, each list like ``oracle``), also the smallest median gap to those.
+
+    Raises when the median is above ``ORACLE_GAP_LIMIT``, or when it is not under
+    ``ORACLE_LAYER_MARGIN`` times the gap to a layer next to the hooked one."""
+    gap = _position_gap(ours, oracle)
+    if one_layer_off:
+        gap["one_layer_off_median"] = min(_position_gap(ours, other)["median"] for other in one_layer_off)
+    wrong_layer = "one_layer_off_median" in gap and gap["median"] > ORACLE_LAYER_MARGIN * gap["one_layer_off_median"]
+    if gap["median"] > ORACLE_GAP_LIMIT or wrong_layer:
+        raise RuntimeError(
+            f"transformers' target streams are not the oracle's: relative gap by position {gap} (the median may be "
+            f"at most {ORACLE_GAP_LIMIT:g}, and at most {ORACLE_LAYER_MARGIN:g} of the gap one layer off)"
+        )
+    return gap
+
+
+def _position_gap(ours: list[Any], oracle: list[Any]) -> dict[str, float]:
     import torch
 
     scale = max(float(b.abs().max()) for b in oracle)
     gaps = torch.cat([(a - b).abs().amax(dim=-1) for a, b in zip(ours, oracle, strict=True)]) / scale
-    gap = {"median": float(gaps.median()), "max": float(gaps.max())}
-    if gap["median"] > ORACLE_GAP_LIMIT:
-        raise RuntimeError(f"transformers' target streams are not the oracle's: relative gap by position {gap}")
-    return gap
+    return {"median": float(gaps.median()), "max": float(gaps.max())}
 
 
 # transformers' streams against the oracle's on the first sequences, fp32 both: batched and alone,
-# a near-tie in a top-k (an expert, a QSA block) can flip at a position and move the streams after it
-# (the CPU dry run: 3.8e-3 at one of 40 positions in the last layer, 1e-7 or less everywhere else),
-# so the median position is held to rounding (1e-8 there); a hook on the wrong module moves every
-# position (one layer off in the dry run's random target: 1e-4 at the least, up to 32)
-ORACLE_GAP_LIMIT = 1e-5
+# a near-tie in a top-k (an expert, a QSA block) can flip at a position and move the streams after it.
+# The CPU dry run: 3.8e-3 at one of 40 positions in the last layer, 1e-7 or less everywhere else; the
+# H100 (2026-12-07), the medium target pretrained 100 s, whose generated text repeats (30 distinct
+# tokens in 144): a median of 2.4e-4 at the DFlash features, where the random medium target's streams
+# stay under 1.6e-6 at every layer (streams_check.py, the same machine). So the median is held to
+# ORACLE_GAP_LIMIT, and a hook on the wrong module is told apart by comparing against the layers next
+# to the hooked ones: one layer off moved every position by 1e-4 at the least (the dry run's random
+# target, where the right layer's median is 1e-8), a margin the limit alone cannot keep.
+ORACLE_GAP_LIMIT = 1e-3
+ORACLE_LAYER_MARGIN = 0.1
 ORACLE_CHECKED = 2
 
 
@@ -700,7 +720,8 @@ def train(
     depth = core.config.num_hidden_layers
     streams = [s[depth] for s in hf_streams(model, sequences, [depth], device)]
     streams_s = time.perf_counter() - start
-    gap = oracle_gap(streams[:ORACLE_CHECKED], target_streams(core, sequences[:ORACLE_CHECKED], device))
+    oracle = target_streams(core, sequences[:ORACLE_CHECKED], device, layers=[depth - 1, depth])
+    gap = oracle_gap(streams[:ORACLE_CHECKED], [s[depth] for s in oracle], [[s[depth - 1] for s in oracle]])
     train_streams, eval_streams = streams[held_out:], streams[:held_out]
     report: dict[str, Any] = {"train_sequences": len(train_seqs), "eval_sequences": len(eval_seqs),
                               "target_streams_s": round(streams_s, 1), "oracle_gap": gap,
@@ -842,9 +863,17 @@ def train_dflash(
         torch.cat([hc_mean(s[i], hc) for i in indices], dim=-1) for s in hf_streams(model, sequences, indices, device)
     ]
     features_s = time.perf_counter() - start
+    depth = core.config.num_hidden_layers
     with torch.no_grad():
         oracle = qwen4exp_aux_features(core, tokens[:ORACLE_CHECKED], indices)
-    gap = oracle_gap(features[:ORACLE_CHECKED], oracle)
+        # the features a hook one layer before or after each of ours would give
+        shifted = [[i + shift for i in indices] for shift in (-1, 1)]
+        one_layer_off = [
+            qwen4exp_aux_features(core, tokens[:ORACLE_CHECKED], other)
+            for other in shifted
+            if all(0 <= i <= depth for i in other)
+        ]
+    gap = oracle_gap(features[:ORACLE_CHECKED], oracle, one_layer_off)
     del core
     train_ids, eval_ids = tokens[held_out:], tokens[:held_out]
     train_features, eval_features = features[held_out:], features[:held_out]
