@@ -69,6 +69,11 @@
 #      Since 739bf61, --dflash-draft-vocab N: the drafter's own lm_head over the N tokens most frequent in its
 #      training text (stock's d2t map), to take its 0.18 ms full-vocabulary GEMV (part l, 2026-12-06) out of
 #      the step; next A adds --dflash-draft-vocab 16384.
+#      2026-12-07 (H100, two calls on one machine: 345 s with the kit's install, then 287 s), with
+#        A="--pretrain-steps 100000 --pretrain-seconds 100 --sequences 512 --new-tokens 128 --methods dflash
+#           --dflash-drafts 3 --dflash-draft-vocab 16384 --dflash-train-seconds 80 --batches 1 --rounds 1":
+#      DFlash 1.83x at acceptance 3.05, concurrency 1. Next: the same A with --rounds 2 --batches 1,4,8,64 over two
+#      calls (BUDGET=585 "$A --stop-after dflash-train", then BUDGET=585 "$A"), and part i for the step's A/B.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py, medium and Flash-Next
 #      mixer sizes (about 3 minutes).
