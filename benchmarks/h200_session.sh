@@ -72,8 +72,14 @@
 #      2026-12-07 (H100, two calls on one machine: 345 s with the kit's install, then 287 s), with
 #        A="--pretrain-steps 100000 --pretrain-seconds 100 --sequences 512 --new-tokens 128 --methods dflash
 #           --dflash-drafts 3 --dflash-draft-vocab 16384 --dflash-train-seconds 80 --batches 1 --rounds 1":
-#      DFlash 1.83x at acceptance 3.05, concurrency 1. Next: the same A with --rounds 2 --batches 1,4,8,64 over two
-#      calls (BUDGET=585 "$A --stop-after dflash-train", then BUDGET=585 "$A"), and part i for the step's A/B.
+#      DFlash 1.83x at acceptance 3.05, concurrency 1. Timings: the kit's install about 10 s, pretrain + generate
+#      (512 sequences) + the drafter's features about 330 s, the drafter 80 s, each measuring child about 90 s.
+#      Next, both methods in one run as item 6 asks, over two calls on one machine:
+#        A="--pretrain-steps 100000 --pretrain-seconds 100 --sequences 512 --new-tokens 128 --train-steps 1200
+#           --drafts 3 --no-untrained --dflash-drafts 3 --dflash-draft-vocab 16384 --dflash-train-seconds 80
+#           --batches 1,4,8,64 --rounds 1"
+#        BUDGET=585 MTP_ARGS="$A --stop-after dflash-train", then BUDGET=585 MTP_ARGS="$A" (three children: plain,
+#        MTP, DFlash); a third call with --rounds 2 if the device time allows; then part i for the step's A/B.
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py, medium and Flash-Next
 #      mixer sizes (about 3 minutes).
