@@ -27,7 +27,7 @@ generates, then measure both inside stock vLLM against no speculation, in one ru
    mixer come from transformers' Qwen4Exp in fp32, 64 sequences a forward (`hf_streams`, no
    gradient), the first two checked against the plain-torch oracle
    (`qwen38_plugin.model.Qwen4ExpCore.forward_streams`, `oracle_gap`: the report's ``oracle_gap``,
-   beside the gap to the layer before, which must be ten times larger),
+   beside the gap to the layer before, which must be twice as large at least),
    which runs each sequence alone and took 77-84 s for 128 of them on the H200; the head
    (`qwen38_plugin.mtp_reference.Qwen4ExpMTPReference`, stock's semantics, the target's embedding
    and lm_head frozen) is trained teacher-forced to predict token p + 2 from
@@ -581,9 +581,9 @@ def oracle_gap(ours: list[Any], oracle: list[Any], one_layer_off: list[list[Any]
 
     Raises when the median is above ``ORACLE_GAP_LIMIT``, or when it is not under
     ``ORACLE_LAYER_MARGIN`` times the gap to a layer next to the hooked one."""
-    gap = _position_gap(ours, oracle)
+    gap = position_gap(ours, oracle)
     if one_layer_off:
-        gap["one_layer_off_median"] = min(_position_gap(ours, other)["median"] for other in one_layer_off)
+        gap["one_layer_off_median"] = min(position_gap(ours, other)["median"] for other in one_layer_off)
     wrong_layer = "one_layer_off_median" in gap and gap["median"] > ORACLE_LAYER_MARGIN * gap["one_layer_off_median"]
     if gap["median"] > ORACLE_GAP_LIMIT or wrong_layer:
         raise RuntimeError(
@@ -593,7 +593,7 @@ def oracle_gap(ours: list[Any], oracle: list[Any], one_layer_off: list[list[Any]
     return gap
 
 
-def _position_gap(ours: list[Any], oracle: list[Any]) -> dict[str, float]:
+def position_gap(ours: list[Any], oracle: list[Any]) -> dict[str, float]:
     import torch
 
     scale = max(float(b.abs().max()) for b in oracle)
@@ -608,10 +608,11 @@ def _position_gap(ours: list[Any], oracle: list[Any]) -> dict[str, float]:
 # tokens in 144): a median of 2.4e-4 at the DFlash features, where the random medium target's streams
 # stay under 1.6e-6 at every layer (streams_check.py, the same machine). So the median is held to
 # ORACLE_GAP_LIMIT, and a hook on the wrong module is told apart by comparing against the layers next
-# to the hooked ones: one layer off moved every position by 1e-4 at the least (the dry run's random
-# target, where the right layer's median is 1e-8), a margin the limit alone cannot keep.
+# to the hooked ones, which a hook one layer off matches to rounding: the right layer must be at most
+# half as far. The gap between neighbouring layers can be small (the tiny random target's GDN layers:
+# 7e-5, streams_check.py on CPU), so the limit alone cannot keep that margin.
 ORACLE_GAP_LIMIT = 1e-3
-ORACLE_LAYER_MARGIN = 0.1
+ORACLE_LAYER_MARGIN = 0.5
 ORACLE_CHECKED = 2
 
 
