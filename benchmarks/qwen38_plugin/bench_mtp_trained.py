@@ -574,18 +574,9 @@ def hf_streams(
 
 
 def oracle_gap(ours: list[Any], oracle: list[Any], one_layer_off: list[list[Any]] | None = None) -> dict[str, float]:
-    """How far two lists of ``[T, D]`` tensors are apart, position by position (the largest
-    difference at each position, relative to the oracle's largest value): the median and the
-    largest over every position. With ``one_layer_off`` (the oracle's tensors of the layers next to
-    the hooked ones, each list like ``oracle``), also the smallest median gap to those.
-
-    Raises when the median is above ``ORACLE_GAP_LIMIT``, or when it is not under
-    ``ORACLE_LAYER_MARGIN`` times the gap to a layer next to the hooked one."""
-    gap = position_gap(ours, oracle)
-    if one_layer_off:
-        gap["one_layer_off_median"] = min(position_gap(ours, other)["median"] for other in one_layer_off)
-    wrong_layer = "one_layer_off_median" in gap and gap["median"] > ORACLE_LAYER_MARGIN * gap["one_layer_off_median"]
-    if gap["median"] > ORACLE_GAP_LIMIT or wrong_layer:
+    """`oracle_gap_report`, raising unless `gap_passes`."""
+    gap = oracle_gap_report(ours, oracle, one_layer_off)
+    if not gap_passes(gap):
         raise RuntimeError(
             f"transformers' target streams are not the oracle's: relative gap by position {gap} (the median may be "
             f"at most {ORACLE_GAP_LIMIT:g}, and at most {ORACLE_LAYER_MARGIN:g} of the gap one layer off)"
@@ -593,7 +584,28 @@ def oracle_gap(ours: list[Any], oracle: list[Any], one_layer_off: list[list[Any]
     return gap
 
 
+def oracle_gap_report(
+    ours: list[Any], oracle: list[Any], one_layer_off: list[list[Any]] | None = None
+) -> dict[str, float]:
+    """How far two lists of ``[T, D]`` tensors are apart, position by position (`position_gap`): the
+    median and the largest over every position. With ``one_layer_off`` (the oracle's tensors of the
+    layers next to the hooked ones, each list like ``oracle``), also the smallest median gap to those."""
+    gap = position_gap(ours, oracle)
+    if one_layer_off:
+        gap["one_layer_off_median"] = min(position_gap(ours, other)["median"] for other in one_layer_off)
+    return gap
+
+
+def gap_passes(gap: dict[str, float]) -> bool:
+    """The median is at most ``ORACLE_GAP_LIMIT`` and, where the report has it, at most
+    ``ORACLE_LAYER_MARGIN`` times the gap one layer off."""
+    off = gap.get("one_layer_off_median")
+    return gap["median"] <= ORACLE_GAP_LIMIT and (off is None or gap["median"] <= ORACLE_LAYER_MARGIN * off)
+
+
 def position_gap(ours: list[Any], oracle: list[Any]) -> dict[str, float]:
+    """The largest difference at each position, relative to the oracle's largest value: its median
+    and largest over every position."""
     import torch
 
     scale = max(float(b.abs().max()) for b in oracle)

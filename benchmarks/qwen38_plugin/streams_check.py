@@ -84,13 +84,8 @@ def main() -> None:
     for index in indices:
         mine, theirs = [s[index] for s in ours[: len(checked)]], [s[index] for s in oracle]
         next_to = [[s[j] for s in oracle] for j in (index - 1, index + 1) if 0 <= j <= depth]
-        gaps[index] = dict(bench.position_gap(mine, theirs))
-        gaps[index]["one_layer_off_median"] = min(bench.position_gap(mine, other)["median"] for other in next_to)
-        try:
-            bench.oracle_gap(mine, theirs, next_to)
-            gaps[index]["passes"] = True
-        except RuntimeError:
-            gaps[index]["passes"] = False
+        gap = bench.oracle_gap_report(mine, theirs, next_to)
+        gaps[index] = {**gap, "passes": bench.gap_passes(gap)}
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
         "config": None if args.model is not None else args.config,
