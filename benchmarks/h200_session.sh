@@ -80,6 +80,10 @@
 #           --batches 1,4,8,64 --rounds 1"
 #        BUDGET=585 MTP_ARGS="$A --stop-after dflash-train", then BUDGET=585 MTP_ARGS="$A" (three children: plain,
 #        MTP, DFlash); a third call with --rounds 2 if the device time allows; then part i for the step's A/B.
+#      Second session that day (H100), that A with BUDGET=585 MTP_ARGS="$A" twice: 579 s with the kit's install (pretrain,
+#      generate, features, the MTP head's 69 s, then the limit 40 s into the drafter), then 381 s (the drafter again,
+#      three measuring children of about 95 s). Both methods cleared item 6 at concurrency 1 (MTP 2.71x, DFlash 2.44x).
+#      Next: the H200, --rounds 2, and part l with L_BATCHES=1,64 (DFlash's verify step at 64 cost 2.3x plain's).
 #      (--methods mtp or dflash measures one of them; --dflash-layers 2 only in the V2 runner.)
 #   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py, medium and Flash-Next
 #      mixer sizes (about 3 minutes).
@@ -369,10 +373,11 @@ l)
         echo "part l: $paths is missing: run part k on this machine first"
     else
         # (DFlash drafts as many tokens as its drafter was trained for, read from the report; MTP 3; a setting
-        # the report lacks, e.g. mtp after --methods dflash, stops at once with the reason)
+        # the report lacks, e.g. mtp after --methods dflash, stops at once with the reason; L_BATCHES, e.g. "1,64":
+        # the batch sizes profiled, since 2026-12-07's DFlash step at concurrency 64 cost 2.3x plain's, MTP's 1.4x)
         for spec in dflash mtp none; do
             CUDA_VISIBLE_DEVICES=0 timeout $(lim 200) python3 benchmarks/qwen38_plugin/profile_gpu.py \
-                "$res/profile-trained-$spec" --speculative $spec --batches 1 --steps 127 --work $work/q38 \
+                "$res/profile-trained-$spec" --speculative $spec --batches ${L_BATCHES:-1} --steps 127 --work $work/q38 \
                 --trained "$paths" >"$res/profile-trained-$spec.log" 2>&1
             grep -E '^(none|dflash[0-9]+|mtp[0-9]+) batch' "$res/profile-trained-$spec.log" ||
                 tail -3 "$res/profile-trained-$spec.log"
