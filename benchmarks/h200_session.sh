@@ -102,7 +102,8 @@
 #   q: a speculative decode step under torch's profiler (profile_gpu.py --speculative): none, DFlash, MTP, and MTP
 #      with QWEN38_QSA_DRAFT_UPDATE=0 (each draft step's QSA metadata built on the host, one graph a step).
 #   i: what a reduced draft vocabulary saves a DFlash step: profile_gpu.py --speculative dflash with the random
-#      drafter's head over the target's vocabulary, then over 16,384 tokens (--draft-vocab), alternating.
+#      drafter's head over the target's vocabulary, then over 16,384 tokens (--draft-vocab), alternating, then
+#      plain decode at the same batch sizes (I_BATCHES, default 1,8; e.g. I_BATCHES=1,64).
 #   l: after part k on the same machine: its trained settings (none, MTP, DFlash: accepted drafts) under the
 #      profiler at batch 1 (profile_gpu.py --trained), wall and GPU time per verify step.
 #   u: the A/B of MTP's in-place draft-step metadata alone, alternating (QWEN38_QSA_DRAFT_UPDATE 0, 1, 0, 1: one
@@ -403,15 +404,17 @@ u)
 i)
     # what a reduced draft vocabulary saves a DFlash step (--dflash-draft-vocab in part k): profile_gpu.py's random
     # drafter with the target's lm_head, then with its own over 16,384 tokens, alternating, each engine a process;
-    # every draft rejected, so a step's wall time is its whole cost (batch 1 and 8)
+    # every draft rejected, so a step's wall time is its whole cost (I_BATCHES, default 1,8); then a plain
+    # engine at the same batch sizes, what a DFlash step costs against (part k's verify step at 64 was 2.3x plain's)
     cap=280  # the first engine on a cold machine compiles every Triton kernel
     run=0
-    for vocab in 0 16384 0 16384; do
+    for vocab in 0 16384 0 16384 none; do
         run=$((run + 1))
+        if [ "$vocab" = none ]; then spec="--speculative none"; else spec="--speculative dflash --drafts 3 --draft-vocab $vocab"; fi
         CUDA_VISIBLE_DEVICES=0 timeout $(lim $cap) python3 benchmarks/qwen38_plugin/profile_gpu.py \
-            "$res/vocab-$run-$vocab" --speculative dflash --drafts 3 --draft-vocab $vocab --batches 1,8 \
+            "$res/vocab-$run-$vocab" $spec --batches ${I_BATCHES:-1,8} \
             --work $work/q38 >"$res/vocab-$run-$vocab.log" 2>&1
-        grep -E '^dflash3(-v[0-9]+)? batch' "$res/vocab-$run-$vocab.log" | sed "s/^/run $run: /" ||
+        grep -E '^(dflash3(-v[0-9]+)?|none) batch' "$res/vocab-$run-$vocab.log" | sed "s/^/run $run: /" ||
             tail -3 "$res/vocab-$run-$vocab.log"
         cap=170
     done

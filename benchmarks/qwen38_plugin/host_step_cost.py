@@ -46,7 +46,10 @@ at the largest batch in each child (all steps, including the forward; the timers
 the top functions by own time in vLLM's core/worker/attention code and the plugin.
 
 Unchanged on a GPU: the same children run with vLLM's defaults there (CUDA graphs, async
-scheduling: step_with_batch_queue); ``--eager`` forces ``enforce_eager`` (the default on CPU).
+scheduling: step_with_batch_queue); ``--eager`` forces ``enforce_eager`` (the default on CPU). There
+vLLM 0.32 runs its V2 model runner, whose methods are not wrapped: the ``runner.*`` rows stay empty,
+the scheduler, KV-cache manager, metadata builders and engine step are measured
+(results/host_step_cost_h100.txt).
 """
 
 from __future__ import annotations
