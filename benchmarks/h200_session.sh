@@ -29,6 +29,8 @@
 #   c: CSF's kernels and both codecs served against their sources at TP=1 (GPU 0); meanwhile the
 #      Qwen4Exp NVFP4-CSF check (GPU 1).
 #   t: CSF at TP=2 on both GPUs, then its load overhead (after c; CSF_BUDGET seconds).
+#   z: two GPUs: TP=2 exactness (issue 10 item 7), then MTP and DFlash at TP=2 against plain at TP=1
+#      (issue 12 item 4, K17 inside an engine).
 #   x: speculative decoding on the portable model (gpu_session.py --only spec: no speculation, MTP, MTP
 #      with the concurrency ladder, DFlash; fp16, CUDA graphs) against transformers and each other
 #      (SPEC_RUNS: gpu_session.py's --spec-runs); then, with SM70_K set, part w's tests.
@@ -229,6 +231,17 @@ t)
     budget=${CSF_BUDGET:-520}
     timeout $(lim $((budget + 10))) $csf "$res/csf" --only tp2,load --budget "$budget" --work $work/csf \
         >"$res/csf.log" 2>&1
+    ;;
+z)
+    # the two-GPU checks of issues 10 and 12 in one call (kind nvidia-h200-x2): TP=2 against transformers and
+    # against TP=1 (issue 10 item 7), then MTP and DFlash at TP=2 against plain decoding at TP=1 (issue 12 item 4:
+    # the drafter's column-parallel fc, K17, inside an engine on two GPUs)
+    [ "$ngpu" -ge 2 ] || { echo "part z needs two GPUs (kind nvidia-h200-x2); this machine has $ngpu" >&2; exit 2; }
+    timeout $(lim 200) $q38 "$res/tp2" --only tp2 --runners v2 --dtypes float16 --work $work/q38 >"$res/tp2.log" 2>&1
+    grep -E 'tp2' "$res/tp2.log" | tail -3
+    timeout $(lim 560) $q38 "$res/spec-tp2" --only spec --spec-runs plain,mtp3,dflash3,mtp3-tp2,dflash3-tp2 \
+        --work $work/q38 >"$res/spec-tp2.log" 2>&1
+    grep -E '^spec ' "$res/spec-tp2.log"
     ;;
 x)
     # issue 12 on the GPU: MTP, MTP with the ladder and DFlash against no speculation and transformers
@@ -509,7 +522,7 @@ y)
     tail -30 "$res/bench_qsa_paged.log"
     ;;
 *)
-    echo "part: a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, u, v, w, x or y" >&2
+    echo "part: a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, u, v, w, x, y or z" >&2
     exit 2
     ;;
 esac

@@ -40,7 +40,8 @@
    dflash2's concurrency ladder, and DFlash (a tiny drafter through a ``dflash2-view``, 4 drafts);
    each against transformers by the rule of ``exact`` and against the run without speculation
    (equal tokens), with vLLM's spec-decode counters. Writes ``spec.json``. ``--spec-runs`` also
-   names the variants that isolate DFlash's failure on the H200 (`SPEC_RUNS`).
+   names the variants that isolate DFlash's failure on the H200 (`SPEC_RUNS`), and MTP and DFlash at
+   ``tensor_parallel_size=2`` (``mtp3-tp2``, ``dflash3-tp2``: two GPUs, or two CPU ranks).
 
 Each engine runs in a child process with a time limit, so one failure does not stop the others;
 results are written to OUT as they come (``exact.json``, ``summary.json``, one log per child), so
@@ -332,12 +333,14 @@ SPEC_LADDER = {"2": 2, "5": 1}  # 1 running request: 3 drafts; 2-4: 2; 5 or more
 SPEC_RUNS = ("plain", "mtp3", "mtp3-ladder", "dflash4", "dflash4-eager", "dflash4-v1", "dflash3", "mtp4",
              "dflash4-reference", "dflash4-lbhnc", "dflash4-triton-attn", "dflash1", "dflash1-blnhc",
              "dflash1-reference", "dflash1-ref-hc", "dflash1-ref-norm-rope", "dflash1-ref-ple",
-             "dflash1-ref-qsa-paged")  # fmt: skip
+             "dflash1-ref-qsa-paged", "mtp3-tp2", "dflash3-tp2")  # fmt: skip
 # -eager: without CUDA graphs; -v1: vLLM's V1 model runner; dflash3 / dflash1 / mtp4: is it the draft count?
 # -reference: the plugin's torch references instead of its Triton kernels, eager (the references' boolean
 # indexing cannot be captured); -lbhnc: the CPU's KV layout; -triton-attn: the drafter's attention layers on
 # TRITON_ATTN instead of FLASH_ATTN; -blnhc: MTP's (block-outer) KV layout; -ref-OP: that op's torch reference
-# alone (eager); any run's name with -eager appended runs it without CUDA graphs
+# alone (eager); -tp2: at tensor_parallel_size=2 (two GPUs; on the CPU two ranks, one core each), its tokens
+# against the plain run's at TP=1 (issue 12 item 4: the DFlash drafter's column-parallel fc, K17, inside an
+# engine); any run's name with -eager appended runs it without CUDA graphs
 SPEC_DEFAULT_RUNS = SPEC_RUNS[:4]
 REFERENCE_OPS = {f"QWEN38_{op}_REFERENCE": "1" for op in ("HC", "NORM_ROPE", "PLE", "QSA_PAGED")}
 
@@ -395,7 +398,13 @@ def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]
         **{f"dflash1-ref-{op.lower().replace('_', '-')}": (
             [*dflash_args(1), dflash_eager], {f"QWEN38_{op}_REFERENCE": "1"})
            for op in ("HC", "NORM_ROPE", "PLE", "QSA_PAGED")},
+        "mtp3-tp2": ([str(verify), str(model), dtype, str(STEPS), json.dumps(prompts(0)), "3",
+                      json.dumps({**engine, "tensor_parallel_size": 2})], TP2_ENV[device]),
+        "dflash3-tp2": ([*dflash_args(3), json.dumps({**dflash_engine, "tensor_parallel_size": 2})], TP2_ENV[device]),
     }  # fmt: skip
+    import torch
+
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
     plain: list[list[int]] | None = None
     for name in names:
         if name not in runs and name.endswith("-eager") and name.removesuffix("-eager") in runs:
@@ -404,6 +413,10 @@ def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]
             args = [*base_args[:-1], json.dumps({**json.loads(base_args[-1]), "enforce_eager": True})]
         else:
             args, run_env = runs[name]
+        if device == "cuda" and "-tp2" in name and gpus < 2:
+            report[name] = {"ok": False, "error": f"needs two GPUs; this machine has {gpus}"}
+            print(f"spec {name}:", json.dumps(report[name]), flush=True)
+            continue
         result = run(f"spec-{name}", [sys.executable, *args], out, 300, {**env, **run_env})
         lines = [line for line in (out / f"spec-{name}.log").read_text().splitlines() if line.startswith('{"tokens"')]
         if not lines:
@@ -427,6 +440,8 @@ def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]
 
 
 RUNNER_ENV = {"v2": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+# a spec run at tensor_parallel_size=2: on CUDA the machine's first two GPUs; on the CPU a core per rank
+TP2_ENV: dict[str, dict[str, str]] = {"cuda": {}, "cpu": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 # graphs: vLLM's default for the Qwen4ExpForCausalLM architecture on CUDA, breakable CUDA graphs
 # without torch.compile; compiled: torch.compile with piecewise and full CUDA graphs.
 MODE_ENV = {"graphs": {}, "compiled": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, "eager": {}}
