@@ -16,8 +16,10 @@ applies to any proposer, MTP included; here 1 scheduled request verifies 3 draft
 5-7 verify 1 and 8 or more verify 3 again, so the greedy requests change width as they finish and
 the sampling batches verify all 3), and a DFlash drafter (dflash2's tiny random drafter through a
 ``dflash2-view`` with ``hc_mean``, 3 drafts; its drafts share the target's lm_head, so they are X
-or Y and some are accepted). fp32, ``--no-enable-prefix-caching`` (required with speculation on
-CPU), 48-token steps so long prompts prefill in chunks next to verify rows.
+or Y and some are accepted) at ``--tensor-parallel-size 2``: the target's heads and experts and the
+drafter (its column-parallel ``fc``, K17) split over two ranks, a core each, so every check below
+also holds for drafting and verifying at TP=2. fp32, ``--no-enable-prefix-caching`` (required with
+speculation on CPU), 48-token steps so long prompts prefill in chunks next to verify rows.
 
 - Greedy: 4 completions (token prompts of 1-70 tokens) and 3 chat completions, concurrent, 24
   tokens each: the same token ids from every server as transformers' greedy decoding of the target
@@ -142,6 +144,11 @@ class Results:
     def _serve(self, name: str) -> dict[str, Any]:
         args = ["--dtype", "float32", "--max-model-len", "512", "--max-num-batched-tokens", "48", "--seed", "0",
                 "--no-enable-prefix-caching", *self.configs[name]]  # fmt: skip
+        ranks = int(args[args.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in args else 1
+        with engine_cores(ranks):  # a core for each rank, held while this server runs
+            return self._serve_on_cores(name, args)
+
+    def _serve_on_cores(self, name: str, args: list[str]) -> dict[str, Any]:
         started = time.monotonic()
         server = self.start_server(self.model, args)
         startup = time.monotonic() - started
@@ -213,9 +220,8 @@ def dflash_view(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def results(model: Path, dflash_view: Path, start_server: Callable[..., Any]) -> Iterator[Results]:
     dflash = {"method": "dflash", "model": str(dflash_view), "num_speculative_tokens": NUM_SPEC}
-    configs = {**CONFIGS, "dflash": ["--speculative-config", json.dumps(dflash)]}
-    with engine_cores():
-        yield Results(model, start_server, configs)
+    configs = {**CONFIGS, "dflash": ["--speculative-config", json.dumps(dflash), "--tensor-parallel-size", "2"]}
+    yield Results(model, start_server, configs)
 
 
 @pytest.fixture(scope="module")
@@ -351,3 +357,10 @@ def test_metrics_count_accepted_drafts(results: Results, name: str) -> None:
     if name == "mtp":  # the ladder: some steps verified fewer than all drafts
         assert draft_tokens < NUM_SPEC * drafts
         assert "dflash2: dflash_concurrency_drafts" in results(name)["log"]
+
+
+def test_the_dflash_server_drafts_on_two_ranks(results: Results) -> None:
+    # Each rank builds the drafter's fc column-parallel (K17) and the target split over both.
+    log = results("dflash")["log"]
+    ranks = {m.group(1) for m in re.finditer(r"\(\S*?TP(\d) pid=\d+\).*column-parallel over 2 ranks", log)}
+    assert ranks == {"0", "1"}, log[-4000:]

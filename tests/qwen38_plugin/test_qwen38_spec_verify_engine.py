@@ -4,9 +4,10 @@ verifies, and greedy output equals the output without speculation and transforme
 output, for five concurrent requests of 1-73 tokens whose chunked prefills (32 tokens a step)
 share steps with verify rows.
 
-- The tiny random checkpoint with a random MTP head (``num_speculative_tokens`` 4): its
-  drafts are almost never right, so this proves the draft path (the proposer's buffers, the draft
-  layer's caches in vLLM's K/V group, the hidden-state buffer ``hc * H`` wide) and rejection.
+- The tiny random checkpoint with a random MTP head (``num_speculative_tokens`` 4) at
+  ``--tensor-parallel-size 2``: its drafts are almost never right, so this proves the draft path
+  (the proposer's buffers, the draft layer's caches in vLLM's K/V group, the hidden-state buffer
+  ``hc * H`` wide) and rejection, with the target and the head split over two ranks.
 - The same checkpoint with an lm_head of two tokens (row X = w, row Y = -w, the other rows 0:
   every argmax is X or Y, decided by the sign of the final hidden state's projection on w, which
   depends on every layer and state): the head's drafts are accepted about half the time, so
@@ -41,11 +42,13 @@ MTP = {"mtp_num_hidden_layers": 1}
 TWO_TOKENS = (1_000, 2_000)
 
 
-def run_engine(model: Path, num_spec: int, prompts: list[list[int]], **llm_kwargs: Any) -> dict[str, Any]:
+def run_engine(model: Path, num_spec: int, prompts: list[list[int]], tp: int = 1, **llm_kwargs: Any) -> dict[str, Any]:
+    """The engine script's result; ``tp`` ranks (``tensor_parallel_size``), a core each."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **IN_PROCESS}
-    args = [str(model), "float32", str(STEPS), json.dumps(prompts), str(num_spec), json.dumps(llm_kwargs)]
+    kwargs = {**llm_kwargs, **({"tensor_parallel_size": tp} if tp > 1 else {})}
+    args = [str(model), "float32", str(STEPS), json.dumps(prompts), str(num_spec), json.dumps(kwargs)]
     cmd = [sys.executable, str(HERE / "qwen38_engine_verify.py"), *args]
-    return engine_result(run_engine_script(cmd, env))
+    return engine_result(run_engine_script(cmd, env, cores=tp))
 
 
 def two_token_checkpoint(source: Path, target: Path, scale: float = 1.0) -> Path:
@@ -84,15 +87,17 @@ def random_head(tiny_checkpoint: Callable[..., Path], prompts: list[list[int]]) 
 
 
 # 4, the widest; 1-3 take the same path (about 40 s an engine start on 2 cores); the MTP server test
-# runs 3, and its concurrency ladder verifies widths 3, 2 and 1
+# runs 3, and its concurrency ladder verifies widths 3, 2 and 1. At --tensor-parallel-size 2: the
+# target and the MTP head's layers split over two ranks (the accepted-drafts test below and the MTP
+# server run one rank).
 @pytest.mark.parametrize("num_spec", [4])
-def test_mtp_speculation_keeps_greedy_output(
+def test_mtp_speculation_keeps_greedy_output_at_tp2(
     random_head: tuple[Path, list[list[int]]], prompts: list[list[int]], num_spec: int
 ) -> None:
     model, expected = random_head
-    result = run_engine(model, num_spec, prompts, max_num_batched_tokens=32, max_num_seqs=8)
+    result = run_engine(model, num_spec, prompts, tp=2, max_num_batched_tokens=32, max_num_seqs=8)
     counters = result["spec_decode"]
-    print(f"random MTP head, num_speculative_tokens={num_spec}: {counters}")
+    print(f"random MTP head, num_speculative_tokens={num_spec}, TP=2: {counters}")
     assert counters["spec_decode_num_drafts"] > 0 and counters["spec_decode_num_draft_tokens"] > 0
     assert result["tokens"] == expected
 
