@@ -239,7 +239,7 @@ z)
     [ "$ngpu" -ge 2 ] || { echo "part z needs two GPUs (kind nvidia-h200-x2); this machine has $ngpu" >&2; exit 2; }
     timeout $(lim 200) $q38 "$res/tp2" --only tp2 --runners v2 --dtypes float16 --work $work/q38 >"$res/tp2.log" 2>&1
     grep -E 'tp2' "$res/tp2.log" | tail -3
-    timeout $(lim 560) $q38 "$res/spec-tp2" --only spec --spec-runs plain,mtp3,dflash3,mtp3-tp2,dflash3-tp2 \
+    timeout $(lim 560) $q38 "$res/spec-tp2" --only spec --spec-runs plain,mtp3-tp2,dflash3-tp2 \
         --work $work/q38 >"$res/spec-tp2.log" 2>&1
     grep -E '^spec ' "$res/spec-tp2.log"
     ;;
