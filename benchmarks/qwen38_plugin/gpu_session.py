@@ -345,8 +345,9 @@ SPEC_DEFAULT_RUNS = SPEC_RUNS[:4]
 REFERENCE_OPS = {f"QWEN38_{op}_REFERENCE": "1" for op in ("HC", "NORM_ROPE", "PLE", "QSA_PAGED")}
 
 
-def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]:
-    """Step 6 (see the module's docstring); ``device`` cpu: a dry run in float32."""
+def spec(out: Path, work: Path, device: str, names: list[str], gpus: int) -> dict[str, Any]:
+    """Step 6 (see the module's docstring); ``device`` cpu: a dry run in float32. ``gpus``: the
+    CUDA devices here (a ``-tp2`` run on CUDA needs two)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # the repository's tests package
     from dflash2.tiny import build_tiny_drafter
@@ -402,9 +403,6 @@ def spec(out: Path, work: Path, device: str, names: list[str]) -> dict[str, Any]
                       json.dumps({**engine, "tensor_parallel_size": 2})], TP2_ENV[device]),
         "dflash3-tp2": ([*dflash_args(3), json.dumps({**dflash_engine, "tensor_parallel_size": 2})], TP2_ENV[device]),
     }  # fmt: skip
-    import torch
-
-    gpus = torch.cuda.device_count() if device == "cuda" else 0
     plain: list[list[int]] | None = None
     for name in names:
         if name not in runs and name.endswith("-eager") and name.removesuffix("-eager") in runs:
@@ -510,7 +508,7 @@ def main() -> None:
         unknown_runs = {r for r in runs if r not in SPEC_RUNS and r.removesuffix("-eager") not in SPEC_RUNS}
         if unknown_runs:
             parser.error(f"--spec-runs: unknown {sorted(unknown_runs)}; choose from {SPEC_RUNS} (each also NAME-eager)")
-        summary["spec"] = spec(out, args.work, args.device, runs)
+        summary["spec"] = spec(out, args.work, args.device, runs, gpus)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
 
 
