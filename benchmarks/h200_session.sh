@@ -90,7 +90,7 @@
 #   o: after a change to the fused ops alone: their native CUDA checks and bench_fused_ops.py, medium and Flash-Next
 #      mixer sizes (about 3 minutes).
 #   j: K20 in a GPU engine (benchmarks/dflash2/k20_gpu_check.py: adaptive verification with dflash2's
-#      acceptance estimator, with stock's, and without speculation; eager, then CUDA graphs).
+#      acceptance estimator, with stock's, and without speculation; CUDA graphs, fp16 then fp32).
 #   r: issue 16 on the machine's GPUs: bench_tp.py (Flash-Next's per-layer geometry at TP 1 / 2 / 4 as
 #      the GPUs allow, MTP 3, DCP 2 at TP=4 (served since 2026-12-05); on one H200, TP=1 only). Each finished
 #      run is kept, so a second call on the warm machine measures only what the first one's limit cut (2026-12-04, BUDGET=570 with the
@@ -269,15 +269,12 @@ o)
 j)
     # K20 in a GPU engine: adaptive verification with dflash2's acceptance estimator against stock's and
     # against no speculation (k20_gpu_check.py: a tiny Qwen3 target and random DFlash drafter; stock refuses
-    # adaptive verification for targets with GDN layers), eager then with CUDA graphs
-    for variant in "280" "280 --graphs"; do
-        set -- $variant
-        limit=$1
-        shift
-        name=k20$(echo "$*" | tr -d ' -')
-        # shellcheck disable=SC2068  # the variant's words
-        timeout $(lim "$limit") python3 benchmarks/dflash2/k20_gpu_check.py "$res/$name" --work $work/k20 \
-            --timeout 240 $@ >"$res/$name.log" 2>&1
+    # adaptive verification for targets with GDN layers, and without full CUDA graphs: the eager run of
+    # 2026-12-07 was refused), in fp16 then in fp32 (exact token equality; J_DTYPES: the dtypes to run)
+    for dtype in ${J_DTYPES:-float16 float32}; do
+        name=k20-$dtype
+        timeout $(lim 290) python3 benchmarks/dflash2/k20_gpu_check.py "$res/$name" --work $work/k20 \
+            --timeout 240 --dtype "$dtype" >"$res/$name.log" 2>&1
         grep '^k20 ' "$res/$name.log" || tail -5 "$res/$name.log"
     done
     ;;

@@ -6,7 +6,10 @@ Usage: spec_engine_run.py MODEL SPECULATIVE_CONFIG_JSON PROMPTS_JSON MAX_TOKENS_
 All prompts (token ids) are submitted together, request i with greedy sampling, `ignore_eos` and
 MAX_TOKENS[i] tokens. ``"lift_gpu_dflash_refusal": true`` among the LLM kwargs (not passed to vLLM)
 lifts the portable model's refusal of DFlash in vLLM's V1 runner on a GPU in this process (for the
-GPU session's study of it). The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+GPU session's study of it); ``"count_adaptive_verification": true`` (not passed to vLLM either) counts, per
+engine step, the drafts scheduled and the drafts stock's adaptive verification lets through to the
+target (Model Runner V2, GPU only), and adds ``"adaptive": {"steps", "scheduled", "verified"}`` to the
+printed line. The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so all requests are queued before its first step, and every step's `SchedulerOutput` (what the
 target runs and verifies) is recorded as it leaves stock's scheduler.
 
@@ -41,12 +44,38 @@ def lift_gpu_dflash_refusal() -> None:
     dispatch._refuse_what_portable_lacks = refuse_but_gpu_dflash
 
 
+def count_adaptive_verification() -> dict[str, int]:
+    """Totals of stock's adaptive verification in this process: each step's scheduled drafts and its
+    draft budget (the drafts the target verifies), read from the budget that
+    ``AdaptiveVerificationManager.get_num_tokens`` stashes for ``reallocate_drafts`` (vLLM 0.32's
+    Model Runner V2); a vLLM without them fails here, naming what is missing."""
+    from vllm.v1.worker.gpu.spec_decode.adaptive_verification import AdaptiveVerificationManager
+
+    reallocate = getattr(AdaptiveVerificationManager, "reallocate_drafts", None)
+    if reallocate is None:
+        raise SystemExit("count_adaptive_verification: no AdaptiveVerificationManager.reallocate_drafts in this vLLM")
+    totals = {"steps": 0, "scheduled": 0, "verified": 0}
+
+    def counting_reallocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        budget = getattr(self, "_batch_budget", None)
+        if not (isinstance(budget, tuple) and len(budget) == 3 and isinstance(budget[0], dict)):
+            raise SystemExit(f"count_adaptive_verification: unexpected _batch_budget {budget!r} in this vLLM")
+        totals["steps"] += 1
+        totals["scheduled"] += sum(budget[0].values())
+        totals["verified"] += int(budget[2])
+        return reallocate(self, *args, **kwargs)
+
+    AdaptiveVerificationManager.reallocate_drafts = counting_reallocate  # type: ignore[method-assign]
+    return totals
+
+
 def main() -> None:
     model, spec_json, prompts_json, max_tokens_json = sys.argv[1:5]
     extra: dict[str, Any] = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if extra.pop("lift_gpu_dflash_refusal", False):
         lift_gpu_dflash_refusal()
+    adaptive = count_adaptive_verification() if extra.pop("count_adaptive_verification", False) else None
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -91,6 +120,8 @@ def main() -> None:
         result["tokens"].append(list(completion.token_ids))
         result["drafted"].append(list(metrics.per_step_drafted) if metrics else [])
         result["accepted"].append(list(metrics.per_step_accepted) if metrics else [])
+    if adaptive is not None:
+        result["adaptive"] = adaptive
     print(json.dumps(result))
 
 
