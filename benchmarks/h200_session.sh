@@ -26,6 +26,8 @@
 #      benchmark beside vLLM's own peer model, then the profile (GPU 0).
 #   w: the SM70 AWQ engine tests of s alone (SM70_K: a pytest -k filter).
 #   m: the multimodal step of s alone (for a one-GPU machine, where s leaves it out).
+#   d: issue 12 item 5 on the GPU through stock's OpenAI server (spec_serve_gpu.py): no speculation, MTP with the
+#      ladder and DFlash (TP=2 where two GPUs), greedy against the plain server, sampling's chi-square, /metrics.
 #   c: CSF's kernels and both codecs served against their sources at TP=1 (GPU 0); meanwhile the
 #      Qwen4Exp NVFP4-CSF check (GPU 1).
 #   t: CSF at TP=2 on both GPUs, then its load overhead (after c; CSF_BUDGET seconds).
@@ -199,6 +201,15 @@ w)
         python3 -m pytest -q -rA -p no:cacheprovider ${SM70_K:+-k "$SM70_K"} tests/sm70_backend/test_awq_engine.py \
         >"$res/sm70_engine.log" 2>&1
     tail -15 "$res/sm70_engine.log"
+    ;;
+d)
+    # issue 12 item 5 through stock's OpenAI server on the GPU: no speculation, MTP 3 with the ladder, DFlash 3
+    # (TP=2 on a two-GPU machine), each greedy against the plain server and transformers, sampled against the
+    # exact distribution (chi-square), /metrics (spec_serve_gpu.py: the CPU server test's workload in fp16)
+    dtp=$([ "$ngpu" -ge 2 ] && echo 2 || echo 1)
+    timeout $(lim 580) python3 benchmarks/qwen38_plugin/spec_serve_gpu.py "$res/spec-serve" --tp "$dtp" \
+        --servers "${SERVE_SERVERS:-plain,mtp,dflash}" >"$res/spec-serve.log" 2>&1
+    grep '^spec_serve ' "$res/spec-serve.log" || tail -20 "$res/spec-serve.log"
     ;;
 m)
     # the multimodal step alone (issue 13), for a one-GPU machine
