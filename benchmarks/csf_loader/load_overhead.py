@@ -153,8 +153,9 @@ def child(model: str, load_format: str, dtype: str) -> dict[str, Any]:
 
 def engine_first_triton_launch(vllm_config: Any) -> float:
     """Seconds of the first Triton launch a vLLM GPU engine makes after loading: its first step's
-    slot mapping (stock's ``BlockTable.compute_slot_mapping``, a Triton kernel in every V1 GPU step,
-    the profiling run's included), run here once as the engine runs it.
+    slot mapping (stock's ``BlockTable.compute_slot_mapping``, a Triton kernel in every step of the
+    V1 GPU runner, the profiling run's included; the V2 runner prepares its steps with Triton kernels
+    of its own), run here once as the V1 runner runs it.
 
     Triton's first launch in a process pays its per-process start (hashing its installation, 0.5 s
     on the H100 host, 4-5 s on the H200 host of 2026-12-06) before the kernel's own cache lookup. A
