@@ -63,25 +63,6 @@ def margin_at(hf: Any, prompt: list[int], tokens: list[int], at: int) -> float:
     return float(top[0] - top[1])
 
 
-def metrics_checks(name: str, counters: dict[str, float], log: str, num_spec: int) -> dict[str, Any]:
-    drafts = counters.get("spec_decode_num_drafts", 0.0)
-    draft_tokens = counters.get("spec_decode_num_draft_tokens", 0.0)
-    accepted = counters.get("spec_decode_num_accepted_tokens", 0.0)
-    per_position = [counters.get(f"spec_decode_num_accepted_tokens_per_pos[{i}]", 0.0) for i in range(num_spec)]
-    rate = accepted / draft_tokens if draft_tokens else 0.0
-    checks = {
-        "drafts_consistent": 0 < drafts <= draft_tokens <= num_spec * drafts,
-        "accepted_consistent": 0 < accepted <= draft_tokens and sum(per_position) == accepted,
-        "accepted_after_accepted": all(a >= b for a, b in itertools.pairwise(per_position)),
-        "acceptance_above_floor": rate > (0.3 if name == "mtp" else 0.0),
-    }
-    if name == "mtp":
-        checks["ladder_narrowed_some_steps"] = draft_tokens < num_spec * drafts
-        checks["ladder_logged"] = "dflash2: dflash_concurrency_drafts" in log
-    return {"counters": counters, "acceptance": rate, "per_position": per_position, "checks": checks,
-            "ok": all(checks.values())}  # fmt: skip
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
@@ -96,7 +77,6 @@ def main() -> int:
     from dflash2.tiny import build_tiny_drafter
     from dflash2.view import make_view
     from qwen38_plugin.tiny.checkpoints import build_tiny_checkpoint
-    from tests.engines import engine_cores
     from tests.qwen38_plugin import test_qwen38_mtp_server as spec_test
     from tests.qwen38_plugin.qwen38_reference import load_reference, reference_greedy_one
     from tests.qwen38_plugin.test_qwen38_spec_verify_engine import MTP, two_token_checkpoint
@@ -125,26 +105,13 @@ def main() -> int:
     if unknown:
         parser.error(f"--servers: unknown {sorted(unknown)}; of {sorted(configs)}")
 
+    logs = iter(args.out / f"server-{i}.log" for i in itertools.count())
+
     def start_server(path: Path, server_args: list[str]) -> VllmServer:
-        log = args.out / f"server-{len(started)}.log"
-        started.append(log)
-        return VllmServer(path, server_args, log_path=log, startup_timeout=args.startup_timeout).start()
+        return VllmServer(path, server_args, log_path=next(logs), startup_timeout=args.startup_timeout).start()
 
-    started: list[Path] = []
-
-    class DeviceResults(spec_test.Results):
-        """The test's servers and workload, in this run's dtype; on CPU each server holds its cores."""
-
-        def _serve(self, name: str) -> dict[str, Any]:
-            server_args = ["--dtype", dtype, "--max-model-len", "512", "--max-num-batched-tokens", "48", "--seed",
-                           "0", "--no-enable-prefix-caching", *self.configs[name]]  # fmt: skip
-            if cuda:
-                return self._serve_on_cores(name, server_args)
-            ranks = args.tp if name == "dflash" else 1
-            with engine_cores(ranks):
-                return self._serve_on_cores(name, server_args)
-
-    results = DeviceResults(model, start_server, configs)
+    # the test's servers and workload in this run's dtype; on CPU each server holds a core per rank
+    results = spec_test.Results(model, start_server, configs, dtype=dtype, hold_cores=not cuda)
     hf = load_reference(model, torch.float32)
     probs = spec_test.exact_probabilities(model, spec_test.SAMPLE_PROMPT)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": dtype,
@@ -193,8 +160,8 @@ def main() -> int:
                                "p": spec_test.chi2_sf(statistic, df), "ok": statistic < threshold}  # fmt: skip
         ok &= statistic < threshold
         if name != "plain":
-            counters = spec_test.spec_counters(served["metrics"])
-            entry["metrics"] = metrics_checks(name, counters, served["log"], spec_test.NUM_SPEC)
+            entry["metrics"] = spec_test.metrics_checks(name, served["metrics"], served["log"])
+            entry["metrics"]["ok"] = all(entry["metrics"]["checks"].values())
             ok &= entry["metrics"]["ok"]
         report["servers"][name] = entry
         (args.out / "spec_serve.json").write_text(json.dumps(report, indent=2))
