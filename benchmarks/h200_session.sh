@@ -28,6 +28,7 @@
 #   m: the multimodal step of s alone (for a one-GPU machine, where s leaves it out).
 #   d: issue 12 item 5 on the GPU through stock's OpenAI server (spec_serve_gpu.py): no speculation, MTP with the
 #      ladder and DFlash (TP=2 where two GPUs), greedy against the plain server, sampling's chi-square, /metrics.
+#   quick: what fits a short call: fp16 exactness with CUDA graphs (GPU 1), the graphs decode benchmark (GPU 0).
 #   c: CSF's kernels and both codecs served against their sources at TP=1 (GPU 0); meanwhile the
 #      Qwen4Exp NVFP4-CSF check (GPU 1).
 #   t: CSF at TP=2 on both GPUs, then its load overhead (after c; CSF_BUDGET seconds).
@@ -490,8 +491,9 @@ s)
     grep -E '^(mm exactness|\|)' "$res/mm.log"
     tail -3 "$res/sm70_gpu.log"
     ;;
-d)
+quick)
     # what fits a short call: fp16 exactness with CUDA graphs (GPU 1), the graphs decode bench (GPU 0)
+    # (it was part d until part d became issue 12's served check, which shadowed it)
     CUDA_VISIBLE_DEVICES=$G1 timeout $(lim 200) $q38 "$res/exact-fp16" --only exact --runners v2 --dtypes float16 \
         --modes graphs --work $work/q38 >"$res/gpu1.log" 2>&1 &
         solo
