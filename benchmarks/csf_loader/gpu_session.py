@@ -55,6 +55,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the repository's tools package
+from tools.token_compare import first_differences  # noqa: E402
+
 SRC = [ROOT / "src" / p for p in ("csf_loader", "qwen38_plugin", "tool_parsers", "dflash2", "sm70_backend")]
 STEPS = ("kernels", "serve", "load", "tp2", "qwen4exp", "variants", "bench")
 CODECS = ("nvfp4", "mxfp4")
@@ -118,8 +122,7 @@ def engine(
 
 def _first_differences(a: Any, b: Any) -> list[int | None]:
     """Per prompt, the first step whose greedy token differs between two runs (None: none)."""
-    return [next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), None)
-            for ta, tb in zip(a["tokens"], b["tokens"], strict=True)]  # fmt: skip
+    return first_differences(a["tokens"], b["tokens"])
 
 
 def _aligned_difference(a: Any, b: Any) -> float:

@@ -47,6 +47,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the repository's tools package
+from tools.token_compare import first_differences  # noqa: E402
+
 RUNNER = ROOT / "tests" / "dflash2" / "spec_engine_run.py"
 BUILT = "dflash2: adaptive verification's acceptance estimator built"
 REQUESTS = 8
@@ -101,15 +105,6 @@ def run(args: argparse.Namespace, name: str, target: Path, spec: dict[str, Any] 
     if "adaptive" in out:
         result["adaptive"] = out["adaptive"]
     return result
-
-
-def first_differences(tokens: list[list[int]], reference: list[list[int]]) -> list[int | None]:
-    """Per request, the first index where ``tokens`` differs from ``reference`` (None: identical)."""
-    firsts: list[int | None] = []
-    for mine, theirs in zip(tokens, reference, strict=True):
-        at = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
-        firsts.append(at if at is not None or len(mine) == len(theirs) else min(len(mine), len(theirs)))
-    return firsts
 
 
 def main() -> None:

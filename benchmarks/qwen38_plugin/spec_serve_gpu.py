@@ -48,11 +48,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the repository's tests and tools packages
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-    return at if at is not None or len(a) == len(b) else min(len(a), len(b))
-
-
 def margin_at(hf: Any, prompt: list[int], tokens: list[int], at: int) -> float:
     """transformers' top-1 minus top-2 logit before ``tokens[at]`` (after the prompt and tokens[:at])."""
     import torch
@@ -80,6 +75,7 @@ def main() -> int:
     from tests.qwen38_plugin import test_qwen38_mtp_server as spec_test
     from tests.qwen38_plugin.qwen38_reference import load_reference, reference_greedy_one
     from tests.qwen38_plugin.test_qwen38_spec_verify_engine import MTP, two_token_checkpoint
+    from tools.token_compare import first_difference
     from tools.vllm_server import VllmServer
 
     cuda = args.device == "cuda"

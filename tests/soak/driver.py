@@ -59,6 +59,7 @@ import httpx
 import openai
 
 from tests.tool_definitions import GET_WEATHER, WRITE_FILE
+from tools.token_compare import first_difference
 
 FORCED_IDS_KEY = "forced_token_ids"  # tests/tool_parsers/forced_output.py
 
@@ -615,10 +616,6 @@ class Sender:
 # ── comparing ────────────────────────────────────────────────────────────────
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
 def difference(reference: Any, got: Any) -> str | None:
     """Where `got` first differs from `reference`; None when equal."""
     if reference == got:
@@ -630,7 +627,8 @@ def difference(reference: Any, got: Any) -> str | None:
             if isinstance(a, dict) and isinstance(b, dict):
                 ta, tb = a.get("tokens") or [], b.get("tokens") or []
                 if ta != tb:
-                    first = _first_difference(ta, tb)
+                    first = first_difference(ta, tb)
+                    assert first is not None  # the lists differ
                     return (
                         f"choice {index}: tokens differ from position {first} (reference "
                         f"{ta[first : first + 4]}... of {len(ta)}, got {tb[first : first + 4]}... of {len(tb)})"
