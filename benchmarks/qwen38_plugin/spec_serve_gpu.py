@@ -48,21 +48,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the repository's tests and tools packages
 
 
-def cpu_oracle_without_hub_kernels() -> None:
-    """transformers' Qwen4Exp, the oracle here, runs on the CPU in fp32; on a GPU machine with fla installed,
-    transformers binds fla's Triton Gated DeltaNet kernels in place of its torch functions, and those refuse
-    CPU tensors (2026-12-07, H100: "Pointer argument (at 0) cannot be accessed from Triton"). The module's
-    torch_* functions are put back to the torch code they wrap, for this process."""
-    import inspect
-
-    import transformers.models.qwen4_exp.modeling_qwen4_exp as hf_qwen4
-
-    for name in [n for n in vars(hf_qwen4) if n.startswith("torch_")]:
-        bound = getattr(hf_qwen4, name)
-        if callable(bound) and hasattr(bound, "__wrapped__"):
-            setattr(hf_qwen4, name, inspect.unwrap(bound))
-
-
 def margin_at(hf: Any, prompt: list[int], tokens: list[int], at: int) -> float:
     """transformers' top-1 minus top-2 logit before ``tokens[at]`` (after the prompt and tokens[:at])."""
     import torch
@@ -96,8 +81,6 @@ def main() -> int:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (use --device cpu for the dry run)")
-    if cuda:
-        cpu_oracle_without_hub_kernels()
     dtype = "float16" if cuda else "float32"
     # a time limit's SIGTERM unwinds through the servers' stop (each in its own session)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

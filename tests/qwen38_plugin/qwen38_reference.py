@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,23 @@ from transformers import Qwen4ExpForCausalLM
 
 
 def load_reference(path: Path, dtype: torch.dtype = torch.float32) -> Qwen4ExpForCausalLM:
+    """transformers' Qwen4Exp from ``path``, on the CPU, with transformers' own torch functions."""
+    _use_transformers_torch_functions()
     model = Qwen4ExpForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval()
+
+
+def _use_transformers_torch_functions() -> None:
+    """The oracle runs on the CPU; where fla is installed (the GPU machines), transformers binds fla's
+    Triton Gated DeltaNet kernels in place of its module's torch_* functions, and those refuse CPU
+    tensors (2026-12-07, H100: "Pointer argument (at 0) cannot be accessed from Triton"). Each such
+    function is put back to the torch code it wraps, for the process (a no-op where nothing is bound)."""
+    import transformers.models.qwen4_exp.modeling_qwen4_exp as hf_qwen4
+
+    for name in [n for n in vars(hf_qwen4) if n.startswith("torch_")]:
+        bound = getattr(hf_qwen4, name)
+        if callable(bound) and hasattr(bound, "__wrapped__"):
+            setattr(hf_qwen4, name, inspect.unwrap(bound))
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
