@@ -23,12 +23,19 @@ where each request first differs), whether the engine built the robust estimator
 ``stock``), vLLM's per-request counters (drafts proposed and accepted: vLLM counts a request's
 proposed drafts there, verified or not) and, counted inside the engine (``spec_engine_run.py``'s
 ``count_adaptive_verification``), the drafts scheduled and the drafts adaptive verification let
-through to the target. A random drafter's drafts are almost never accepted, so stock's estimator
-learns to verify almost none; the robust one verifies one draft per request after every 16 steps
-that graded none (its exploration), so it should verify more drafts than stock's. Verification keeps
-the output exact whatever the estimator decides, but which drafts are verified changes the target's
-query lengths and so its kernels' fp16 rounding: exact equality is the verdict in float32 only (in
-float16 the first differences are reported).
+through to the target, and the longest run of steps that scheduled drafts and verified none. A
+random drafter's drafts are almost never accepted, so stock's estimator may learn to verify none
+(its collapse: seen in float16, 32 of 10,208 drafts verified on an H100); whether it does also rests
+on the draft budget, which weighs confidences against the step costs vLLM measures at startup (in
+float32 stock verified 3,008 of them). The robust estimator's exploration verifies one draft per
+request after 16 steps that graded none, so the verdict asks that its longest run of steps verifying
+no draft stay within 17 (adaptive verification reads the confidences of the step before). The
+verified counts of both are reported, not judged.
+
+Verification keeps the output exact whatever the estimator decides, but which drafts are verified
+changes the target's query lengths and so its kernels' rounding: the unspeculated run records its
+top-two logprob gap at every token, and a speculative run passes where it equals that run or first
+differs from it at a near tie (gap below ``NEAR_TIE``: 2^-8 in float16, 2^-12 in float32).
 
 Stock refuses adaptive verification without full CUDA graphs (``Adaptive verification requires full
 CUDA graphs``, seen on an H100 on 2026-12-07), so the engines run with vLLM's CUDA graphs;
@@ -54,6 +61,11 @@ from tools.token_compare import first_differences  # noqa: E402
 RUNNER = ROOT / "tests" / "dflash2" / "spec_engine_run.py"
 BUILT = "dflash2: adaptive verification's acceptance estimator built"
 REQUESTS = 8
+# Below these top-two logprob gaps of the unspeculated run, a speculative run's different query lengths
+# (hence kernels and rounding) may pick the other token: fp16's as tests/qwen38_plugin/qwen38_reference.py;
+# fp32's, rounding of a few 1e-6 in the logits of this tiny model, with a wide margin.
+NEAR_TIE = {"float16": 2**-8, "float32": 2**-12}
+EXPLORE_AFTER = 16  # dflash2.acceptance.ROBUST.explore_after_idle_steps, checked in main()
 
 
 def build(work: Path, dtype: str) -> tuple[Path, Path]:
@@ -86,6 +98,8 @@ def run(args: argparse.Namespace, name: str, target: Path, spec: dict[str, Any] 
         extra.update(gpu_memory_utilization=0.3)
         if spec is not None:
             extra["count_adaptive_verification"] = True
+    if spec is None:
+        extra["logprobs"] = 2  # the unspeculated run's top-two gaps judge where a speculative run differs
     cmd = [sys.executable, str(RUNNER), str(target), json.dumps(spec), json.dumps(prompts),
            json.dumps([args.tokens] * REQUESTS), json.dumps(extra)]  # fmt: skip
     log = args.out / f"{name}.log"
@@ -104,7 +118,21 @@ def run(args: argparse.Namespace, name: str, target: Path, spec: dict[str, Any] 
     result["verify_steps"] = sum(len(d) for d in out["drafted"])
     if "adaptive" in out:
         result["adaptive"] = out["adaptive"]
+    if "margins" in out:
+        result["margins"] = out["margins"]
     return result
+
+
+def judge_differences(tokens: list[list[int]], reference: list[list[int]], margins: list[list[float | None]],
+                      dtype: str) -> dict[str, Any]:  # fmt: skip
+    """Where each request first differs from the unspeculated run, that run's top-two gap there; the
+    tokens pass when every difference lies at a near tie (gap below ``NEAR_TIE[dtype]``)."""
+    first = first_differences(tokens, reference)
+    at = [None if i is None or i >= len(m) else m[i] for m, i in zip(margins, first, strict=True)]
+    bound = NEAR_TIE[dtype]
+    ok = all(i is None or (m is not None and m < bound) for i, m in zip(first, at, strict=True))
+    return {"tokens_equal_no_speculation": tokens == reference, "first_differences": first,
+            "reference_margin_at_first_difference": at, "near_tie_bound": bound, "tokens_ok": ok}  # fmt: skip
 
 
 def main() -> None:
@@ -118,6 +146,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=400, help="seconds per vLLM child")
     parser.add_argument("--dry-run", action="store_true", help="on CPU, without adaptive verification")
     args = parser.parse_args()
+    from dflash2.acceptance import ROBUST
+
+    if ROBUST.explore_after_idle_steps != EXPLORE_AFTER:
+        raise SystemExit(f"EXPLORE_AFTER={EXPLORE_AFTER} but dflash2 explores after {ROBUST.explore_after_idle_steps}")
+    if args.dtype not in NEAR_TIE:
+        raise SystemExit(f"--dtype {args.dtype}: use one of {', '.join(NEAR_TIE)}")
     if args.dry_run:
         args.dtype, args.tokens = "float32", min(args.tokens, 24)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -128,31 +162,35 @@ def main() -> None:
     report: dict[str, Any] = {"drafts": args.drafts, "tokens": args.tokens, "requests": REQUESTS,
                               "dtype": args.dtype, "eager": args.eager, "dry_run": args.dry_run}  # fmt: skip
     runs = {name: run(args, name, target, spec if name != "none" else None) for name in ("robust", "stock", "none")}
-    reference = runs["none"].get("tokens")
+    reference, margins = runs["none"].get("tokens"), runs["none"].get("margins")
     for name in ("robust", "stock"):
         tokens = runs[name].get("tokens")
-        runs[name]["tokens_equal_no_speculation"] = tokens is not None and tokens == reference
-        if tokens is not None and reference is not None:
-            runs[name]["first_differences"] = first_differences(tokens, reference)
-    report["runs"] = {name: {k: v for k, v in r.items() if k != "tokens"} for name, r in runs.items()}
+        if tokens is not None and reference is not None and margins is not None:
+            runs[name].update(judge_differences(tokens, reference, margins, args.dtype))
+    report["runs"] = {name: {k: v for k, v in r.items() if k not in ("tokens", "margins")} for name, r in runs.items()}
     (args.out / "k20_gpu_check.json").write_text(json.dumps(report, indent=2))
     for name, r in report["runs"].items():
         print(f"k20 {name}: " + json.dumps({k: v for k, v in r.items() if k != "log_tail"}), flush=True)
         if "log_tail" in r:
             print(r["log_tail"][-1500:], flush=True)
     robust, stock = runs["robust"], runs["stock"]
-    exact = args.dtype == "float32"
-    verified = {name: runs[name].get("adaptive", {}).get("verified") for name in ("robust", "stock")}
+    adaptive = {name: runs[name].get("adaptive", {}) for name in ("robust", "stock")}
+    # The robust estimator verifies a draft per request after EXPLORE_AFTER idle steps; adaptive verification
+    # reads the confidences of the step before (stock's record_confidences), hence the one step of slack.
+    idle_bound = EXPLORE_AFTER + 1
     ok = (
         robust["returncode"] == 0
         and stock["returncode"] == 0
-        and (not exact or (robust["tokens_equal_no_speculation"] and stock["tokens_equal_no_speculation"]))
+        and all(runs[name].get("tokens_ok", False) for name in ("robust", "stock"))
         and (robust["robust_estimator_built"] or args.dry_run)
         and not stock["robust_estimator_built"]
-        and (args.dry_run or (verified["robust"] or 0) > (verified["stock"] or 0))
+        and (args.dry_run or adaptive["robust"].get("longest_idle", idle_bound + 1) <= idle_bound)
     )
-    print(f"k20 verdict: {'ok' if ok else 'NOT ok'} (drafts verified: robust {verified['robust']}, stock "
-          f"{verified['stock']}; tokens compared exactly: {exact})", flush=True)  # fmt: skip
+    print(f"k20 verdict: {'ok' if ok else 'NOT ok'} (drafts verified: robust {adaptive['robust'].get('verified')}, "
+          f"stock {adaptive['stock'].get('verified')}; longest run of steps verifying no draft: robust "
+          f"{adaptive['robust'].get('longest_idle')} (at most {idle_bound} required), stock "
+          f"{adaptive['stock'].get('longest_idle')}; token differences only at near ties below "
+          f"{NEAR_TIE[args.dtype]})", flush=True)  # fmt: skip
     sys.exit(0 if ok else 1)
 
 

@@ -8,8 +8,11 @@ MAX_TOKENS[i] tokens. ``"lift_gpu_dflash_refusal": true`` among the LLM kwargs (
 lifts the portable model's refusal of DFlash in vLLM's V1 runner on a GPU in this process (for the
 GPU session's study of it); ``"count_adaptive_verification": true`` (not passed to vLLM either) counts, per
 engine step, the drafts scheduled and the drafts stock's adaptive verification lets through to the
-target (Model Runner V2, GPU only), and adds ``"adaptive": {"steps", "scheduled", "verified"}`` to the
-printed line. The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+target (Model Runner V2, GPU only), and adds ``"adaptive": {"steps", "scheduled", "verified",
+"longest_idle"}`` to the printed line (``longest_idle``: the most steps in a row that scheduled drafts
+and verified none); ``"logprobs": N`` (not passed to vLLM either) asks each request for its top N
+logprobs and adds ``"margins"``: per request, per token, the gap between the two largest. The engine
+core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so all requests are queued before its first step, and every step's `SchedulerOutput` (what the
 target runs and verifies) is recorded as it leaves stock's scheduler.
 
@@ -54,15 +57,20 @@ def count_adaptive_verification() -> dict[str, int]:
     reallocate = getattr(AdaptiveVerificationManager, "reallocate_drafts", None)
     if reallocate is None:
         raise SystemExit("count_adaptive_verification: no AdaptiveVerificationManager.reallocate_drafts in this vLLM")
-    totals = {"steps": 0, "scheduled": 0, "verified": 0}
+    totals = {"steps": 0, "scheduled": 0, "verified": 0, "longest_idle": 0}
+    idle = 0  # steps in a row that scheduled drafts and verified none
 
     def counting_reallocate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal idle
         budget = getattr(self, "_batch_budget", None)
         if not (isinstance(budget, tuple) and len(budget) == 3 and isinstance(budget[0], dict)):
             raise SystemExit(f"count_adaptive_verification: unexpected _batch_budget {budget!r} in this vLLM")
+        scheduled, verified = sum(budget[0].values()), int(budget[2])
         totals["steps"] += 1
-        totals["scheduled"] += sum(budget[0].values())
-        totals["verified"] += int(budget[2])
+        totals["scheduled"] += scheduled
+        totals["verified"] += verified
+        idle = idle + 1 if scheduled and not verified else 0
+        totals["longest_idle"] = max(totals["longest_idle"], idle)
         return reallocate(self, *args, **kwargs)
 
     AdaptiveVerificationManager.reallocate_drafts = counting_reallocate  # type: ignore[method-assign]
@@ -76,6 +84,7 @@ def main() -> None:
     if extra.pop("lift_gpu_dflash_refusal", False):
         lift_gpu_dflash_refusal()
     adaptive = count_adaptive_verification() if extra.pop("count_adaptive_verification", False) else None
+    logprobs = extra.pop("logprobs", None)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -111,7 +120,10 @@ def main() -> None:
 
     scheduler.schedule = recording_schedule
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts_json)]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in json.loads(max_tokens_json)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=logprobs)
+        for m in json.loads(max_tokens_json)
+    ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     result: dict[str, Any] = {"tokens": [], "drafted": [], "accepted": [], "steps": steps}
     for output in outputs:
@@ -120,6 +132,9 @@ def main() -> None:
         result["tokens"].append(list(completion.token_ids))
         result["drafted"].append(list(metrics.per_step_drafted) if metrics else [])
         result["accepted"].append(list(metrics.per_step_accepted) if metrics else [])
+        if logprobs:
+            tops = [sorted((lp.logprob for lp in step.values()), reverse=True) for step in completion.logprobs or []]
+            result.setdefault("margins", []).append([top[0] - top[1] if len(top) > 1 else None for top in tops])
     if adaptive is not None:
         result["adaptive"] = adaptive
     print(json.dumps(result))
