@@ -81,11 +81,16 @@ def build(work: Path, dtype: str) -> tuple[Path, Path]:
     return target, drafter
 
 
-def run(args: argparse.Namespace, name: str, target: Path, spec: dict[str, Any] | None) -> dict[str, Any]:
+def request_prompts() -> list[list[int]]:
+    """The eight requests' prompts (token ids, fixed by a seed)."""
     import torch
 
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 240_000, (n,), generator=gen).tolist() for n in (5, 17, 3, 40, 9, 26, 12, 60)]
+    return [torch.randint(0, 240_000, (n,), generator=gen).tolist() for n in (5, 17, 3, 40, 9, 26, 12, 60)]
+
+
+def run(args: argparse.Namespace, name: str, target: Path, spec: dict[str, Any] | None) -> dict[str, Any]:
+    prompts = request_prompts()
     extra: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": REQUESTS, "max_model_len": 512,
                              "enforce_eager": args.eager, "disable_log_stats": False}  # fmt: skip
     env = dict(os.environ)
