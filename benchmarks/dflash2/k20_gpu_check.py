@@ -56,7 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the repository's tools package
-from tools.token_compare import first_differences  # noqa: E402
+from tools.token_compare import first_differences, margins_at, only_near_ties  # noqa: E402
 
 RUNNER = ROOT / "tests" / "dflash2" / "spec_engine_run.py"
 BUILT = "dflash2: adaptive verification's acceptance estimator built"
@@ -133,11 +133,11 @@ def judge_differences(tokens: list[list[int]], reference: list[list[int]], margi
     """Where each request first differs from the unspeculated run, that run's top-two gap there; the
     tokens pass when every difference lies at a near tie (gap below ``NEAR_TIE[dtype]``)."""
     first = first_differences(tokens, reference)
-    at = [None if i is None or i >= len(m) else m[i] for m, i in zip(margins, first, strict=True)]
+    at = margins_at(first, margins)
     bound = NEAR_TIE[dtype]
-    ok = all(i is None or (m is not None and m < bound) for i, m in zip(first, at, strict=True))
     return {"tokens_equal_no_speculation": tokens == reference, "first_differences": first,
-            "reference_margin_at_first_difference": at, "near_tie_bound": bound, "tokens_ok": ok}  # fmt: skip
+            "reference_margin_at_first_difference": at, "near_tie_bound": bound,
+            "tokens_ok": only_near_ties(first, at, bound)}  # fmt: skip
 
 
 def main() -> None:
