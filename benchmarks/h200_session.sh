@@ -282,8 +282,9 @@ j)
     # K20 in a GPU engine: adaptive verification with dflash2's acceptance estimator against stock's and
     # against no speculation (k20_gpu_check.py: a tiny Qwen3 target and random DFlash drafter; stock refuses
     # adaptive verification for targets with GDN layers, and without full CUDA graphs: the eager run of
-    # 2026-12-07 was refused), in fp16 then in fp32 (exact token equality). Its three engines with CUDA graphs
-    # took about 340 s on an H100 (2026-12-07), so one dtype fits a call: J_DTYPES=float16, then J_DTYPES=float32
+    # 2026-12-07 was refused), in fp16 then in fp32 (tokens equal, or differing at a near tie). Its three
+    # engines with CUDA graphs took 340 s (fp16, with the kit's install) and 240 s (fp32) on an H100
+    # (2026-12-08), so one dtype fits a call: J_DTYPES=float16, then J_DTYPES=float32
     # (J_RUNS=robust,none leaves stock's run out when time is short)
     for dtype in ${J_DTYPES:-float16 float32}; do
         name=k20-$dtype
