@@ -56,7 +56,9 @@ def engine_main() -> None:
     # DRAFTER_CHECK_DTYPE / DRAFTER_CHECK_GRAPHS: the same comparison on a GPU in its serving dtype with
     # CUDA graphs (benchmarks/qwen38_plugin/drafts_check.py); DRAFTER_CHECK_METHOD=mtp: the target's
     # own MTP head drafts instead (``drafter`` unused; tests/qwen38_plugin/test_qwen38_mtp_drafts_engine.py)
+    # DRAFTER_CHECK_ENGINE_ARGS: more LLM arguments, JSON (tensor and decode-context parallelism)
     graphs = os.environ.get("DRAFTER_CHECK_GRAPHS") == "1"
+    more = json.loads(os.environ.get("DRAFTER_CHECK_ENGINE_ARGS", "{}"))
     if os.environ.get("DRAFTER_CHECK_METHOD", "dflash") == "mtp":
         speculative = {"method": "mtp", "num_speculative_tokens": DRAFTS}
     else:
@@ -74,6 +76,7 @@ def engine_main() -> None:
         max_model_len=256,
         max_num_seqs=8,
         speculative_config=speculative,
+        **more,
     )
     prompts = json.loads(prompts_json)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler

@@ -17,6 +17,7 @@ It can fail: chained steps that read the target's streams instead of their own l
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +26,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dflash2.test_drafter_reference import DRAFTS, PROMPT_LENGTHS, engine_command, engine_result
+from tests.dflash2.test_drafter_reference import DRAFTS, MAX_TOKENS, PROMPT_LENGTHS, engine_command, engine_result
 from tests.engines import run_engine_script
+from tests.qwen38_plugin.qwen38_reference import load_reference
 from tests.qwen38_plugin.test_qwen38_mtp_reference import MTP, load_oracle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,8 +83,7 @@ def served(tiny_checkpoint: Callable[..., Path]) -> tuple[Path, dict[str, Any]]:
     return target, engine_result(proc.stdout)
 
 
-def test_every_draft_position_is_the_oracles(served: tuple[Path, dict[str, Any]]) -> None:
-    target, result = served
+def assert_drafts_are_the_oracles(target: Path, result: dict[str, Any]) -> None:
     steps = result["drafts"]
     assert len({s["request"] for s in steps}) == len(PROMPT_LENGTHS)
     assert all(len(s["drafts"]) == DRAFTS for s in steps) and len(steps) >= 20, steps
@@ -96,6 +97,42 @@ def test_every_draft_position_is_the_oracles(served: tuple[Path, dict[str, Any]]
     # equal, but where the oracle's top two logits tie within fp32 noise (random weights, 248k tokens)
     assert all(m < 1e-4 for _, _, m in mismatches) and len(mismatches) <= 2, mismatches
     assert sum(m > 1e-3 for row in margins for m in row) >= 0.9 * DRAFTS * len(steps)  # clear argmaxes
+
+
+def test_every_draft_position_is_the_oracles(served: tuple[Path, dict[str, Any]]) -> None:
+    assert_drafts_are_the_oracles(*served)
+
+
+@pytest.fixture(scope="module")
+def served_dcp(tiny_checkpoint: Callable[..., Path]) -> tuple[Path, dict[str, Any], str]:
+    """The same engine at TP=2 with decode context parallelism 2 on a checkpoint with one KV head (both
+    ranks replicate it and hold every other position of its K/V): the reference deployment's shape
+    (TP4 / DCP2 over Flash-Next's two KV heads) with its default speculation, MTP."""
+    target = tiny_checkpoint("qwen4_exp_text", overrides={**MTP, "num_key_value_heads": 1}, dtype="float32")
+    more = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT), "DRAFTER_CHECK_METHOD": "mtp",
+           "DRAFTER_CHECK_ENGINE_ARGS": json.dumps(more)}  # fmt: skip
+    proc = run_engine_script(engine_command(target, Path("unused")), env, cores=2)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return target, engine_result(proc.stdout), proc.stdout + proc.stderr
+
+
+def test_mtp_beside_decode_context_parallelism_drafts_the_oracles_tokens(
+    served_dcp: tuple[Path, dict[str, Any], str],
+) -> None:
+    target, result, log = served_dcp
+    # both ranks split the target's and the draft steps' K/V positions (stock's CPU kernels would refuse)
+    installed = "decode context parallelism on CPU: the K/V slot mapping splits positions over ranks"
+    assert log.count(installed) == 2, log[-3000:]
+    # lossless: the served tokens are the target's own greedy tokens
+    hf = load_reference(target, torch.float32)
+    with torch.no_grad():
+        for tokens, length in zip(result["tokens"], PROMPT_LENGTHS, strict=True):
+            prompt = torch.tensor([tokens[:length]])
+            greedy = hf.generate(prompt, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert tokens == greedy[0].tolist()
+    # and each draft is the oracle head's: the chained steps' K/V and indexer keys are where they belong
+    assert_drafts_are_the_oracles(target, result)
 
 
 def test_chaining_on_the_target_streams_loses_the_later_drafts(served: tuple[Path, dict[str, Any]]) -> None:

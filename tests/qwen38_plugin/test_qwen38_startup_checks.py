@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+from tests.qwen38_plugin.mm_checkpoint import mm_model_checkpoint
 
 
 def _engine_config(model: Path, **kwargs: Any) -> Any:
@@ -62,12 +65,12 @@ def test_refuses_a_rope_type_it_does_not_implement(checkpoint: Path, tmp_path: P
         _engine_config(model, dtype="float32")
 
 
-def test_decode_context_parallelism_is_accepted_but_not_beside_speculation(
-    checkpoint: Path, tiny_checkpoint: Callable[..., Path]
+def test_decode_context_parallelism_beside_speculation_only_for_mtp_on_cpu(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
-    # DCP splits the QSA layers' K/V (test_qwen38_tp_engine.py serves it); the draft layers' attention does not
-    # split theirs, so speculation beside it is refused naming both options. One KV head: vLLM wants more
-    # tensor-parallel ranks than KV heads for DCP.
+    # DCP splits the QSA layers' K/V (test_qwen38_tp_engine.py serves it), and the MTP head's in vLLM's
+    # V1 runner on CPU (test_qwen38_mtp_drafts_engine.py serves it); elsewhere speculation beside it is
+    # refused naming both options. One KV head: vLLM wants more tensor-parallel ranks than KV heads for DCP.
     from qwen38_plugin.vllm_startup import check_vllm_config
 
     one_kv_head = {"num_key_value_heads": 1}
@@ -75,8 +78,16 @@ def test_decode_context_parallelism_is_accepted_but_not_beside_speculation(
     check_vllm_config(_engine_config(tiny_checkpoint("qwen4_exp_text", overrides=one_kv_head, dtype="float32"), **dcp))
     mtp = tiny_checkpoint("qwen4_exp_text", overrides={**one_kv_head, "mtp_num_hidden_layers": 1}, dtype="float32")
     spec = {"method": "mtp", "num_speculative_tokens": 1}
-    with pytest.raises(ValueError, match=r"--decode-context-parallel-size 2 with --speculative-config: .* drop one"):
-        _engine_config(mtp, **dcp, speculative_config=spec, enable_prefix_caching=False)
+    config = _engine_config(mtp, **dcp, speculative_config=spec, enable_prefix_caching=False)  # accepted on CPU
+    config.model_config.dtype = torch.float16  # (float32 is refused on CUDA before)
+    with pytest.raises(ValueError, match=r"-size 2 with --speculative-config on CUDA: .* drop one"):
+        check_vllm_config(config, on_cuda=True)
+    config.speculative_config.method = "dflash"
+    with pytest.raises(ValueError, match=r"with --speculative-config with the 'dflash' method: .* only for MTP on CPU"):
+        check_vllm_config(config, on_cuda=False)
+    multimodal = _edited_copy(mm_model_checkpoint(), tmp_path / "mm", **one_kv_head, mtp_num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"multimodal \(M-RoPE\) checkpoint: .* drop one of the two"):
+        _engine_config(multimodal, **dcp, speculative_config=spec, enable_prefix_caching=False)
 
 
 def test_unset_output_gate_type_follows_hidden_act(checkpoint: Path, tmp_path: Path, vllm_single_rank: None) -> None:

@@ -26,6 +26,9 @@ from qwen38_plugin.ops.qsa_paged import DcpShard, kv_rows
 logger = logging.getLogger("vllm.plugins.qwen38_plugin")
 
 KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
+# vLLM's speculative proposer maps each chained draft step's token to its K/V slot with this kernel,
+# which knows nothing of context parallelism (its arguments carry no rank); see `draft_step_slot_mapping`.
+DRAFT_STEP_KERNEL = "vllm.v1.spec_decode.utils.eagle_step_slot_mapping_metadata_kernel"
 _installed: list[str] = []
 
 
@@ -51,6 +54,58 @@ def split_slot_mapping(
     assert local is not None
     slot_mapping[:tokens] = torch.where(local, block * block_size + row, pad_id)
     slot_mapping[tokens:max_num_tokens] = pad_id
+
+
+def draft_step_slot_mapping(
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_clamped_positions: torch.Tensor,
+    out_slot_mapping: torch.Tensor,
+    *,
+    block_size: int,
+    max_model_len: int,
+    shard: DcpShard,
+    pad_id: int = -1,
+) -> None:
+    """What vLLM's draft-step kernel writes, for a rank of a decode-context-parallel group: each
+    request's next position (``positions + 1``; 0 past ``max_model_len``, as vLLM clamps it), the
+    row of that position in this rank's cache (``pad_id`` where another rank holds it, or past the
+    model length) and its sequence length (+1; 1 past the model length). ``out_slot_mapping`` rows
+    past the batch (CUDA-graph padding) get ``pad_id``."""
+    batch = positions.shape[0]
+    new = positions.long() + 1
+    exceeds = new >= max_model_len
+    clamped = torch.where(exceeds, torch.zeros_like(new), new)
+    req = torch.arange(batch, device=positions.device)
+    block, row, local = kv_rows(clamped, block_table, req, block_size, shard)
+    assert local is not None
+    out_clamped_positions[:batch] = clamped
+    out_slot_mapping[:batch] = torch.where(local & ~exceeds, block * block_size + row, pad_id)
+    out_slot_mapping[batch:] = pad_id
+    seq_lens.copy_(torch.where(exceeds, torch.ones_like(seq_lens), seq_lens + 1).clamp(max=max_model_len))
+
+
+def _draft_step_with_context_parallelism(shard: DcpShard) -> Callable[..., Any]:
+    def eagle_step_slot_mapping(
+        positions: torch.Tensor,
+        block_table: torch.Tensor,
+        stride: int,
+        seq_lens: torch.Tensor,
+        out_clamped_positions: torch.Tensor,
+        out_slot_mapping: torch.Tensor,
+        block_size: int,
+        max_model_len: int,
+        n_blocks_per_req: int,
+        PAD_ID: int,  # the platform function's names
+        batch_size: int | None = None,
+    ) -> None:
+        draft_step_slot_mapping(
+            positions, block_table, seq_lens, out_clamped_positions, out_slot_mapping, block_size=block_size,
+            max_model_len=max_model_len, shard=shard, pad_id=PAD_ID,
+        )  # fmt: skip
+
+    return eagle_step_slot_mapping
 
 
 def _with_context_parallelism(platform_impl: Callable[..., Any]) -> Callable[..., Any]:
@@ -85,9 +140,10 @@ def _with_context_parallelism(platform_impl: Callable[..., Any]) -> Callable[...
     return compute_slot_mapping
 
 
-def install() -> str:
-    """Register the split-aware slot mapping in vLLM's kernel-override registry (CPU only, once
-    per process). Returns what it did."""
+def install(shard: DcpShard | None = None) -> str:
+    """Register the split-aware slot mappings in vLLM's kernel-override registry (CPU only, once
+    per process): the engine's and, given this rank's ``shard``, the speculative proposer's draft
+    steps'. Returns what it did."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -105,7 +161,15 @@ def install() -> str:
             "did not register (Triton-CPU present, or the kernel renamed); run without --decode-context-parallel-size"
         )
     _, platform_impl = registered
-    dispatcher.register_kernels({KERNEL: _with_context_parallelism(platform_impl)})
+    kernels = {KERNEL: _with_context_parallelism(platform_impl)}
+    if shard is not None and shard.world > 1:
+        if dispatcher._registry.get(DRAFT_STEP_KERNEL) is None:
+            raise RuntimeError(
+                f"qwen38_plugin: decode context parallelism on CPU needs vLLM's CPU override of {DRAFT_STEP_KERNEL}, "
+                "which this vLLM did not register (renamed?); run without --decode-context-parallel-size"
+            )
+        kernels[DRAFT_STEP_KERNEL] = _draft_step_with_context_parallelism(shard)
+    dispatcher.register_kernels(kernels)
     logger.info("qwen38_plugin: decode context parallelism on CPU: the K/V slot mapping splits positions over ranks")
     _installed.append("installed")
     return "installed"

@@ -73,8 +73,12 @@ class DraftQSAKVCache(QSAKVCache):
     KV-cache group), the indexer's raw keys ``[NB, 1, B, Di]`` and block keys
     ``[NB, 1, B / ratio, Di]`` in side tensors sized from the bound K/V cache's block count."""
 
-    def __init__(self, vllm_config: VllmConfig, prefix: str, num_kv_heads: int) -> None:
+    def __init__(self, vllm_config: VllmConfig, prefix: str, num_kv_heads: int, dcp_world: int = 1) -> None:
         _CacheLayer.__init__(self, vllm_config, prefix)
+        # Under decode context parallelism a block-table entry spans block_size * dcp_world positions
+        # and this rank's K/V block holds its share of them; the indexer keys stay whole on every rank
+        # (each rank selects the same groups), so their blocks hold all the entry's positions.
+        self.dcp_world = dcp_world
         config = vllm_config.model_config.hf_text_config
         self.head_dim = config.head_dim
         self.num_kv_heads = num_kv_heads
@@ -88,6 +92,11 @@ class DraftQSAKVCache(QSAKVCache):
         # compressed key is rotated at its first token's.
         self.mrope = bool(vllm_config.model_config.uses_mrope)
         self.raw_rope_positions: torch.Tensor | None = None
+        if self.mrope and dcp_world > 1:
+            raise ConfigError(
+                f"--decode-context-parallel-size {dcp_world} with MTP on a multimodal (M-RoPE) checkpoint: the MTP "
+                "head's indexer does not keep M-RoPE positions across decode-context-parallel ranks; drop one of them"
+            )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         super().bind_kv_cache(kv_cache)
@@ -100,9 +109,10 @@ class DraftQSAKVCache(QSAKVCache):
                 f"{self.ratio}; use a --block-size that is a multiple of {self.ratio}"
             )
         device = self.kv_cache.device
-        self.raw_keys = torch.zeros(blocks, 1, block_size, self.index_dim, dtype=self.dtype, device=device)
+        span = block_size * self.dcp_world  # positions per block-table entry
+        self.raw_keys = torch.zeros(blocks, 1, span, self.index_dim, dtype=self.dtype, device=device)
         self.group_key_cache = torch.zeros(
-            blocks, 1, block_size // self.ratio, self.index_dim, dtype=self.dtype, device=device
+            blocks, 1, span // self.ratio, self.index_dim, dtype=self.dtype, device=device
         )
         side = self.raw_keys.nbytes + self.group_key_cache.nbytes
         if self.mrope:
@@ -139,7 +149,10 @@ class DraftQSAAttention(PortableQSAAttention):
     the target's caches, in V1 `DraftQSAKVCache` (see the module docstring)."""
 
     def make_cache(self, vllm_config: VllmConfig, prefix: str) -> QSAKVCache:
-        return draft_cache_class(vllm_config)(vllm_config, prefix, self.num_kv_heads)
+        cls = draft_cache_class(vllm_config)
+        if cls is DraftQSAKVCache:
+            return DraftQSAKVCache(vllm_config, prefix, self.num_kv_heads, self.dcp.world if self.dcp else 1)
+        return cls(vllm_config, prefix, self.num_kv_heads)
 
     def _draft_group_start_rope_positions(
         self,
@@ -195,16 +208,19 @@ class DraftQSAAttention(PortableQSAAttention):
         selected = None
         if self.indexer is not None:
             assert index_q is not None and raw_keys is not None
-            block_size = cache.kv_cache.shape[2]
-            # The step's raw keys first, at their K/V slots; then every member of a group is read
-            # from the paged raw keys: each token is its own "request" whose ring block is the
-            # K/V block of its position (the whole group lies in it), and no member counts as
-            # this step's row (step start past the token).
-            qsa_paged.write_rows(cache.raw_keys, meta.slots, raw_keys)
+            # The indexer keys' positions per block (all the block-table entry's, also under DCP).
+            block_size = cache.raw_keys.shape[2]
+            has_slot = self._has_kv_slot(meta.slots)
             real = meta.token_req >= 0
             req = meta.token_req.long().clamp(min=0)
             table = meta.block_table
             token_block = table[req, (positions // block_size).clamp(0, table.shape[1] - 1)]
+            # The step's raw keys first, at their rows; then every member of a group is read
+            # from the paged raw keys: each token is its own "request" whose ring block is the
+            # block of its position (the whole group lies in it), and no member counts as
+            # this step's row (step start past the token).
+            raw_slots = torch.where(real & has_slot, token_block.long() * block_size + positions % block_size, -1)
+            qsa_paged.write_rows(cache.raw_keys, raw_slots, raw_keys)
             start_cos_sin = None
             if rope_positions.dim() == 2:
                 starts = self._draft_group_start_rope_positions(rope_positions, positions, meta.slots, req, table,
@@ -219,16 +235,33 @@ class DraftQSAAttention(PortableQSAAttention):
             )  # fmt: skip
             key_slots = qsa_paged.key_slots(meta.token_req, positions, table, block_size=block_size, ratio=self.ratio)
             # A draft past max_model_len has no K/V slot (vLLM clamps its position): store nothing.
-            key_slots = torch.where(meta.slots >= 0, key_slots, -1)
+            key_slots = torch.where(has_slot, key_slots, -1)
             qsa_paged.write_rows(cache.group_key_cache, key_slots, group_keys)
             selected = qsa_paged.index_topk(
                 index_q, cache.group_key_cache, table, meta.token_req, positions,
                 ratio=self.ratio, topk=self.topk, max_groups=self.max_groups,
             )  # fmt: skip
+        if self.dcp is not None:
+            self._attend_decode_context_parallel(q, gate, cache.kv_cache, meta, positions, selected, out)
+            return
         qsa_paged.sparse_attention(
             q, gate, cache.kv_cache, meta.block_table, meta.token_req, positions, selected,
             ratio=self.ratio, scale=self.scale, out=out,
         )  # fmt: skip
+
+    def _has_kv_slot(self, slots: torch.Tensor) -> torch.Tensor:
+        """Which tokens have a K/V slot on some rank: vLLM gives a draft past max_model_len none (and
+        clamps its position). Under decode context parallelism a rank sees only its own slots, so the
+        ranks of the group take the maximum of theirs."""
+        has_slot = slots >= 0
+        if self.dcp is None:
+            return has_slot
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_dcp_group
+
+        flags = has_slot.to(torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=get_dcp_group().device_group)
+        return flags > 0
 
 
 class MTPDecoderLayer(nn.Module):

@@ -152,9 +152,10 @@ def decode_context_shard(vllm_config: VllmConfig, num_kv_heads: int) -> qsa_page
 
     from qwen38_plugin import cpu_context_parallel
 
-    cpu_context_parallel.install()  # vLLM's CPU slot mapping cannot split positions over ranks; this one can
     group = get_dcp_group()
-    return qsa_paged.DcpShard(group.world_size, group.rank_in_group, parallel.cp_kv_cache_interleave_size)
+    shard = qsa_paged.DcpShard(group.world_size, group.rank_in_group, parallel.cp_kv_cache_interleave_size)
+    cpu_context_parallel.install(shard)  # vLLM's CPU slot mappings cannot split positions over ranks; these can
+    return shard
 
 
 StepTensors = tuple[

@@ -45,11 +45,20 @@ def check_vllm_config(vllm_config: VllmConfig, on_cuda: bool | None = None) -> N
         )
     parallel = vllm_config.parallel_config
     dcp = parallel.decode_context_parallel_size
-    if dcp > 1 and vllm_config.speculative_config is not None:
-        # The QSA layers split their K/V over the DCP group; the draft layers' attention does not yet.
+    speculative = vllm_config.speculative_config
+    if dcp > 1 and speculative is not None and (on_cuda or speculative.method != "mtp"):
+        # The QSA layers split their K/V over the DCP group, and so does the MTP head's QSA layer where it
+        # keeps its caches itself (vLLM's V1 runner: the CPU); other drafters' attention and CUDA do not yet.
+        where = "on CUDA" if on_cuda else f"with the {speculative.method!r} method"
         raise ConfigError(
-            f"--decode-context-parallel-size {dcp} with --speculative-config: the portable Qwen4Exp model's draft "
-            "layers do not split their K/V over decode-context-parallel ranks yet; drop one of the two"
+            f"--decode-context-parallel-size {dcp} with --speculative-config {where}: the portable Qwen4Exp model "
+            "splits its draft layers' K/V over decode-context-parallel ranks only for MTP on CPU; drop one of the two"
+        )
+    if dcp > 1 and speculative is not None and vllm_config.model_config.uses_mrope:
+        raise ConfigError(
+            f"--decode-context-parallel-size {dcp} with --speculative-config on a multimodal (M-RoPE) checkpoint: "
+            "the MTP head's indexer does not keep M-RoPE positions across decode-context-parallel ranks; drop one of "
+            "the two"
         )
     if parallel.prefill_context_parallel_size > 1:
         raise ConfigError(
