@@ -25,7 +25,8 @@ With ``--mtp K`` each TP size runs again with MTP (K drafts): tokens equal to th
 speculation, and the acceptance counters. ``--dcp 2`` runs each TP size >= 2 again with
 ``decode_context_parallel_size=2`` (the QSA layers' K/V positions split over the ranks that share a
 KV head): tokens against TP=1's and decode speed where vLLM allows it (more TP ranks than KV heads:
-TP=4 for Flash-Next's 2), else how startup refuses it. On a GPU, each decode speed is also set
+TP=4 for Flash-Next's 2), else how startup refuses it; with ``--mtp K`` too, once more with both
+(MTP beside DCP: on CPU; refused at startup on CUDA). On a GPU, each decode speed is also set
 against bench_gpu's weight-read roofline for this geometry (the copy bandwidth measured in the same
 run; TP=n against n times TP=1's): issue 10's measure at a real model's widths, where the medium
 config's steps are mostly fixed costs. Last,
@@ -394,6 +395,11 @@ def main() -> None:
             dcp = measured(f"dcp{args.dcp}", f"tp{tp}-dcp{args.dcp}", dcp=args.dcp)
             if "tokens" in dcp and reference is not None:
                 dcp["vs_tp1"] = compare(dcp["tokens"], reference)
+            if args.mtp and "tokens" in dcp:  # the reference deployment's shape with its default speculation
+                both = measured(f"mtp{args.mtp}-dcp{args.dcp}", f"tp{tp}-mtp{args.mtp}-dcp{args.dcp}", mtp=args.mtp,
+                                dcp=args.dcp)  # fmt: skip
+                if "tokens" in both and reference is not None:
+                    both["vs_tp1"] = compare(both["tokens"], reference)
         save()
         brief = {k: (v.get("vs_tp1"), v.get("decode_tok_s"), v.get("error")) for k, v in entry.items() if k == "plain"}
         print(f"TP={tp}: {json.dumps(brief)}", flush=True)
