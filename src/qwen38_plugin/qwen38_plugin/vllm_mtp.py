@@ -28,11 +28,13 @@ What V1's proposer imposes, and how this module meets it:
 - every draft layer in one KV-cache group: a draft QSA layer registers only its K/V with vLLM,
   the same `FullAttentionSpec` as the target's QSA K/V (so it joins that group and its block
   table). The indexer's raw keys and compressed block keys live in side tensors allocated when
-  vLLM binds the K/V cache, indexed by the same K/V block ids: the raw key of position p at its
-  K/V slot, the key of group g in block ``table[g * ratio // B]`` row ``g % (B / ratio)``. The
-  ratio divides the block size, so a group never spans two blocks and the paged raw keys serve
-  as `qsa_paged.group_keys`' ring (one ring block per token). These side tensors are outside
-  vLLM's KV-cache memory accounting (logged at bind time; README);
+  vLLM binds the K/V cache, indexed by the same K/V block ids: the raw key of position p in block
+  ``table[p // B]`` row ``p % B``, the key of group g in block ``table[g * ratio // B]`` row
+  ``g % (B / ratio)``, where B is the positions a block-table entry spans (the K/V block size, times
+  the decode-context-parallel size under DCP, where these keys stay whole on every rank while the
+  K/V is split). The ratio divides the block size, so a group never spans two blocks and the paged
+  raw keys serve as `qsa_paged.group_keys`' ring (one ring block per token). These side tensors are
+  outside vLLM's KV-cache memory accounting (logged at bind time; README);
 - the hidden-state buffer ``hc * H`` wide: `widen_draft_hidden_buffer` (the target
   architecture's config hook, `qwen38_plugin.vllm_config_hook`).
 
@@ -71,7 +73,8 @@ _MTP_WEIGHTS_MAPPER = WeightsMapper(orig_to_new_stacked=dict(QSA_MOE_STACKED))
 class DraftQSAKVCache(QSAKVCache):
     """A draft QSA layer's caches: K/V registered with vLLM (the target's K/V spec, so the same
     KV-cache group), the indexer's raw keys ``[NB, 1, B, Di]`` and block keys
-    ``[NB, 1, B / ratio, Di]`` in side tensors sized from the bound K/V cache's block count."""
+    ``[NB, 1, B / ratio, Di]`` in side tensors sized from the bound K/V cache's block count
+    (B: the block size, times ``dcp_world`` under decode context parallelism)."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str, num_kv_heads: int, dcp_world: int = 1) -> None:
         _CacheLayer.__init__(self, vllm_config, prefix)
