@@ -28,8 +28,8 @@ import torch
 
 from tests.dflash2.test_drafter_reference import DRAFTS, MAX_TOKENS, PROMPT_LENGTHS, engine_command, engine_result
 from tests.engines import run_engine_script
-from tests.qwen38_plugin.qwen38_reference import load_reference
 from tests.qwen38_plugin.test_qwen38_mtp_reference import MTP, load_oracle
+from tests.qwen38_plugin.test_qwen38_vllm_engine import reference_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,12 +125,9 @@ def test_mtp_beside_decode_context_parallelism_drafts_the_oracles_tokens(
     installed = "decode context parallelism on CPU: the K/V slot mapping splits positions over ranks"
     assert log.count(installed) == 2, log[-3000:]
     # lossless: the served tokens are the target's own greedy tokens
-    hf = load_reference(target, torch.float32)
-    with torch.no_grad():
-        for tokens, length in zip(result["tokens"], PROMPT_LENGTHS, strict=True):
-            prompt = torch.tensor([tokens[:length]])
-            greedy = hf.generate(prompt, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-            assert tokens == greedy[0].tolist()
+    prompts = [tokens[:length] for tokens, length in zip(result["tokens"], PROMPT_LENGTHS, strict=True)]
+    greedy = reference_greedy(target, prompts, torch.float32, steps=MAX_TOKENS)
+    assert result["tokens"] == [p + g for p, g in zip(prompts, greedy, strict=True)]
     # and each draft is the oracle head's: the chained steps' K/V and indexer keys are where they belong
     assert_drafts_are_the_oracles(target, result)
 

@@ -44,13 +44,13 @@ def run_engine(model: Path, dtype: str, prompts: list[list[int]], **llm_kwargs: 
     return tokens
 
 
-def reference_greedy(model: Path, prompts: list[list[int]], dtype: torch.dtype) -> list[list[int]]:
+def reference_greedy(model: Path, prompts: list[list[int]], dtype: torch.dtype, steps: int = STEPS) -> list[list[int]]:
     hf = load_reference(model, dtype)
     out = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            generated = hf.generate(ids, max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0)
+            generated = hf.generate(ids, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0)
             out.append(generated[0, len(prompt) :].tolist())
     return out
 

@@ -95,11 +95,6 @@ class DraftQSAKVCache(QSAKVCache):
         # compressed key is rotated at its first token's.
         self.mrope = bool(vllm_config.model_config.uses_mrope)
         self.raw_rope_positions: torch.Tensor | None = None
-        if self.mrope and dcp_world > 1:
-            raise ConfigError(
-                f"--decode-context-parallel-size {dcp_world} with MTP on a multimodal (M-RoPE) checkpoint: the MTP "
-                "head's indexer does not keep M-RoPE positions across decode-context-parallel ranks; drop one of them"
-            )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         super().bind_kv_cache(kv_cache)
